@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run the whole test suite (unit, integration, real-model and crash tests) from a fresh machine.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` for the quick loop.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec python3 -m pytest -q --durations=25 "$@"
