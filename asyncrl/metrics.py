@@ -47,6 +47,7 @@ sampled by an external profiler. docs/metrics.md lists every metric.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -91,6 +92,7 @@ __all__ = [
     "start_metrics_server",
     "stop_metrics_server",
     "exposition",
+    "lint_exposition",
 ]
 
 # The _created series double the series count and are used by nothing here (ecosystem B.1).
@@ -355,11 +357,13 @@ class RolloutMetrics:
             ValueError: ``finish_reason`` not in :data:`FINISH_REASONS`, or a negative value.
         """
         _check(finish_reason, FINISH_REASONS, "finish_reason")
+        for value, what in ((duration_seconds, "duration_seconds"), (generated_tokens, "generated_tokens"), (prompt_tokens, "prompt_tokens")):
+            _check_nonneg(value, what)
         self.requests.labels(finish_reason).inc()
-        self.request_duration.labels(finish_reason).observe(_check_nonneg(duration_seconds, "duration_seconds"))
-        self.generated_tokens.inc(_check_nonneg(generated_tokens, "generated_tokens"))
+        self.request_duration.labels(finish_reason).observe(duration_seconds)
+        self.generated_tokens.inc(generated_tokens)
         if prompt_tokens:
-            self.prompt_tokens.inc(_check_nonneg(prompt_tokens, "prompt_tokens"))
+            self.prompt_tokens.inc(prompt_tokens)
 
     def sample_completed(self, finish_reason: str, duration_seconds: float, response_tokens: int) -> None:
         """Record a sample that finished generating (``stop`` or ``length``).
@@ -368,9 +372,11 @@ class RolloutMetrics:
             ValueError: ``finish_reason`` is not ``stop``/``length``, or a negative value.
         """
         _check(finish_reason, ("stop", "length"), "sample finish_reason")
+        _check_nonneg(duration_seconds, "duration_seconds")
+        _check_nonneg(response_tokens, "response_tokens")
         self.samples_completed.inc()
-        self.duration.labels(finish_reason).observe(_check_nonneg(duration_seconds, "duration_seconds"))
-        self.response_length.observe(_check_nonneg(response_tokens, "response_tokens"))
+        self.duration.labels(finish_reason).observe(duration_seconds)
+        self.response_length.observe(response_tokens)
 
     def parked(self, reason: str, n: int = 1) -> None:
         """Record ``n`` samples parked as PARTIAL for ``reason`` (:data:`PARK_REASONS`)."""
@@ -389,7 +395,8 @@ class RolloutMetrics:
     def weights_loaded(self, version: int, transport: str, duration_seconds: float, lag_seconds: float | None = None) -> None:
         """Record a successful weight update to ``version`` via ``transport``."""
         t = _check(transport, WEIGHT_TRANSPORTS, "transport")
-        self.weight_load_duration.labels(t).observe(_check_nonneg(duration_seconds, "duration_seconds"))
+        _check_nonneg(duration_seconds, "duration_seconds")
+        self.weight_load_duration.labels(t).observe(duration_seconds)
         self.weight_updates.labels("ok").inc()
         self.policy_version.set(version)
         if lag_seconds is not None:
@@ -622,19 +629,22 @@ class TrainerMetrics:
         unknown = sorted(set(stats or {}) - set(gauges))
         if unknown:
             raise ValueError(f"unknown trainer stats {unknown}: known keys are {sorted(gauges)}")
+        for value, what in ((tokens, "tokens"), (response_tokens, "response_tokens"), (samples, "samples")):
+            _check_nonneg(value, what)
         self.steps.inc()
         self.step.set(step)
         self.last_step_timestamp.set(time.time())
-        self.tokens.inc(_check_nonneg(tokens, "tokens"))
-        self.response_tokens.inc(_check_nonneg(response_tokens, "response_tokens"))
-        self.samples.inc(_check_nonneg(samples, "samples"))
+        self.tokens.inc(tokens)
+        self.response_tokens.inc(response_tokens)
+        self.samples.inc(samples)
         for key, value in (stats or {}).items():
             gauges[key].set(value)
 
     def published(self, version: int, transport: str, duration_seconds: float, nbytes: int | None = None, lineage: int | None = None) -> None:
         """Record a published policy version."""
         t = _check(transport, WEIGHT_TRANSPORTS, "transport")
-        self.weight_publish_duration.labels(t).observe(_check_nonneg(duration_seconds, "duration_seconds"))
+        _check_nonneg(duration_seconds, "duration_seconds")
+        self.weight_publish_duration.labels(t).observe(duration_seconds)
         self.policy_version.set(version)
         if nbytes is not None:
             self.weight_publish_bytes.set(nbytes)
@@ -791,3 +801,52 @@ def stop_metrics_server(port: int) -> None:
     if httpd is not None:
         httpd.shutdown()  # type: ignore[attr-defined]
         httpd.server_close()  # type: ignore[attr-defined]
+
+
+#: Unit spellings that are not base units (promtool 2.42 flags only some of them).
+_BAD_UNIT = re.compile(r"(_ms|_us|_ns|_millis|_milliseconds|_minutes|_hours|_kb|_mb|_gb|_kib|_mib|_gib|_percent|_pct)(_|$)")
+#: Labels whose values are unbounded (one series per sample/request/prompt).
+_BAD_LABELS = frozenset({"sample_id", "request_id", "rid", "group_id", "prompt", "prompt_id", "text", "user", "step", "version"})
+_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+def lint_exposition(text: str, exempt_prefixes: tuple[str, ...] = ("sglang:",)) -> list[str]:
+    """Check a text exposition against asyncrl's naming rules; returns the problems (empty: clean).
+
+    Complements ``promtool check metrics`` (which misses ``_gib``/``_percent`` and label
+    cardinality): every family is ``asyncrl_``-prefixed snake_case without colons, uses no
+    abbreviated or non-base unit, counters end in ``_total``, ``_ratio`` gauges stay in 0..1,
+    no ``_created`` series, has help text, and carries no unbounded label (sample/request ids,
+    prompts, step or version numbers as labels; ``asyncrl_build_info{version}`` excepted).
+    Families whose name starts with one of ``exempt_prefixes`` (SGLang's engine metrics) are
+    skipped.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    problems: list[str] = []
+    for fam in text_string_to_metric_families(text):
+        name = fam.name
+        if name.startswith(exempt_prefixes):
+            continue
+        full = name + "_total" if fam.type == "counter" else name
+        if not name.startswith("asyncrl_"):
+            problems.append(f"{full}: name must start with asyncrl_")
+        if ":" in name or not _NAME.match(name):
+            problems.append(f"{full}: snake_case [a-z0-9_] only, no colons (colons are for recording rules)")
+        if _BAD_UNIT.search(name):
+            problems.append(f"{full}: use base units (_seconds, _bytes, _ratio 0-1), not {_BAD_UNIT.search(name).group(1)}")
+        if not fam.documentation:
+            problems.append(f"{full}: no help text")
+        if fam.type == "counter" and name.endswith("_total"):
+            problems.append(f"{full}: counter name doubled _total")
+        if fam.type != "counter" and name.endswith("_total"):
+            problems.append(f"{full}: only counters end in _total (type {fam.type})")
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                problems.append(f"{s.name}: _created series must be disabled")
+            bad = sorted(set(s.labels) & _BAD_LABELS - ({"version"} if name == "asyncrl_build_info" else set()))
+            if bad:
+                problems.append(f"{full}: high-cardinality label(s) {bad}")
+            if name.endswith("_ratio") and not 0.0 <= s.value <= 1.0:
+                problems.append(f"{s.name}: ratio {s.value} outside 0..1")
+    return sorted(set(problems))
