@@ -426,6 +426,14 @@ class BufferMetrics:
         self.lineage = Gauge(
             "asyncrl_buffer_lineage", "Lineage counter in Redis (increases when a recovery rewinds the clock).", registry=r
         )
+        self.max_staleness = Gauge(
+            "asyncrl_buffer_max_staleness", "The configured staleness bound eta (buffer.max_staleness, policy versions).", registry=r
+        )
+        self.group_capacity = Gauge(
+            "asyncrl_buffer_group_capacity",
+            "Most prompt groups allowed in flight (rollout.rollout_batch_size R); more means admission control failed.",
+            registry=r,
+        )
         self.sample_staleness = Histogram(
             "asyncrl_buffer_sample_staleness",
             "Staleness (policy versions: clock minus oldest token version) of samples handed to the trainer.",
@@ -485,6 +493,11 @@ class BufferMetrics:
             for g in GROUP_STATES:
                 self.groups.labels(g).set(groups.get(g, 0))
 
+    def set_bounds(self, max_staleness: int, group_capacity: int) -> None:
+        """Export the configured bounds the alert rules compare against (eta and R)."""
+        self.max_staleness.set(max_staleness)
+        self.group_capacity.set(group_capacity)
+
     def set_clock(self, policy_version: int, lineage: int) -> None:
         """Set the version clock and lineage gauges."""
         self.policy_version.set(policy_version)
@@ -520,8 +533,11 @@ class TrainerMetrics:
         self.steps = Counter("asyncrl_trainer_steps", "Optimizer steps completed.", registry=r)
         self.step = Gauge("asyncrl_trainer_step", "Index of the last completed optimizer step.", registry=r)
         self.last_step_timestamp = Gauge(
-            "asyncrl_trainer_last_step_timestamp_seconds", "Unix time of the last completed optimizer step.", registry=r
+            "asyncrl_trainer_last_step_timestamp_seconds",
+            "Unix time of the last completed optimizer step (the trainer's start time before the first step).",
+            registry=r,
         )
+        self.last_step_timestamp.set(time.time())  # an unset gauge reads 0, which would look like a stall since 1970
         self.step_duration = Histogram(
             "asyncrl_trainer_step_duration_seconds",
             "Duration of the phases of a trainer step (wait_batch/forward_backward/optim_step/publish_weights).",

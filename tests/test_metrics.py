@@ -40,6 +40,7 @@ def drive_role(role: str):
     elif role == "buffer":
         m.set_state(samples={"queued": 8, "generating": 4, "partial": 2}, groups={"in_flight": 3, "ready": 1})
         m.set_clock(policy_version=3, lineage=1)
+        m.set_bounds(max_staleness=2, group_capacity=16)
         m.sample_staleness.observe(1)
         m.groups_admitted.inc()
         m.admission_wait.observe(0.5)
