@@ -1,0 +1,651 @@
+"""The replay buffer client: feed, claim, append, score, batch, acknowledge, commit, recover.
+
+One :class:`ReplayBuffer` per process over one ``redis.asyncio.Redis`` (ecosystem B.5: one
+client per process, shared by its tasks). Every transition is one Lua script in
+``buffers/lua`` (validate first, then write), so a client killed between two calls leaves no
+half-applied state, and a Redis killed with ``kill -9`` keeps every acknowledged write (AOF,
+see ``asyncrl/redis_server.py``). The API contract and state diagram are in docs/buffer.md.
+
+Design choices (and simplifications):
+
+* Work is a set of sorted sets with a lease sorted set instead of a stream + consumer group:
+  it gives the same guarantees (lease, reclaim after ``lease_seconds``, at-most-one owner via a
+  fencing ``claim_token``) and, unlike a stream, the priority order the design asks for
+  (unscored complete → resumable partials by oldest version → fresh → budget-parked when idle).
+* Appends are exactly-once: each chunk carries the offset it starts at.
+* One trainer consumer (rank 0): at most one batch is open (handed out, not acknowledged).
+* Admission control (AReaL eq. 3) runs inside feed/claim/acknowledge: at most R groups in
+  flight and ``admitted < (eta + v + 1) * B * batches_per_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterable, Sequence
+
+from asyncrl.types import (
+    Batch,
+    BatchGroup,
+    GroupState,
+    PromptGroup,
+    Sample,
+    SampleStatus,
+    Segment,
+    WorkItem,
+    WorkKind,
+    pack_f32,
+    pack_i32,
+    unpack_f32,
+    unpack_i32,
+)
+from asyncrl.version_clock import VersionClock
+from buffers.errors import (
+    BadRequest,
+    MalformedData,
+    SchemaMismatch,
+    SettingsMismatch,
+    UnknownItem,
+)
+from buffers.keys import GROUP_ID, SCHEMA_VERSION, key_prefix
+from buffers.scripts import Scripts
+
+__all__ = ["BufferSettings", "ReplayBuffer", "STALE_POLICIES", "FINISH_REASONS"]
+
+STALE_POLICIES = ("restart", "drop", "keep")
+FINISH_REASONS = ("stop", "length", "abort", "budget")
+_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort"}
+
+
+@dataclass(frozen=True)
+class BufferSettings:
+    """The knobs the buffer enforces (ARCHITECTURE §3); stored with the run on first open.
+
+    Args:
+        rollout_batch_size: R, cap on groups in flight (admitted, not yet in a train batch).
+        train_batch_groups: B = ceil(p * R), groups per train batch.
+        n_samples_per_prompt: n, samples per group (default of :class:`PromptGroup`).
+        max_budget_tokens: M, new tokens per sample per policy version.
+        max_response_len: hard cap on response tokens (finishes with ``length``).
+        max_staleness: eta in policy versions.
+        stale_policy: ``restart`` | ``drop`` | ``keep``.
+        lease_seconds: a claim not renewed (append/renew) for this long is reclaimed.
+        flush_tokens: tokens per appended chunk (used by workers; recorded for tools).
+        batches_per_version: train steps per published version (``weight_sync.interval``).
+
+    Raises:
+        BadRequest: a value is out of range (message names it).
+    """
+
+    rollout_batch_size: int = 16
+    train_batch_groups: int = 16
+    n_samples_per_prompt: int = 8
+    max_budget_tokens: int = 1024
+    max_response_len: int = 1024
+    max_staleness: int = 0
+    stale_policy: str = "restart"
+    lease_seconds: float = 30.0
+    flush_tokens: int = 16
+    batches_per_version: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("rollout_batch_size", self.rollout_batch_size >= 1),
+            ("train_batch_groups", 1 <= self.train_batch_groups <= self.rollout_batch_size),
+            ("n_samples_per_prompt", 1 <= self.n_samples_per_prompt <= 1024),
+            ("max_budget_tokens", self.max_budget_tokens >= 1),
+            ("max_response_len", self.max_response_len >= 1),
+            ("max_staleness", self.max_staleness >= 0),
+            ("stale_policy", self.stale_policy in STALE_POLICIES),
+            ("lease_seconds", self.lease_seconds > 0),
+            ("flush_tokens", self.flush_tokens >= 1),
+            ("batches_per_version", self.batches_per_version >= 1),
+        ]
+        bad = [name for name, ok in checks if not ok]
+        if bad:
+            raise BadRequest(
+                f"invalid buffer settings {bad}: need R >= 1, 1 <= B <= R, 1 <= n <= 1024, M >= 1, "
+                f"max_response_len >= 1, eta >= 0, stale_policy in {STALE_POLICIES}, lease_seconds > 0, "
+                f"flush_tokens >= 1, batches_per_version >= 1 (got {self})"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "BufferSettings":
+        """Settings from an :class:`asyncrl.config.AsyncRLConfig`."""
+        r, b = cfg.rollout, cfg.buffer
+        policy = b.stale_policy.value if hasattr(b.stale_policy, "value") else str(b.stale_policy)
+        return cls(
+            rollout_batch_size=r.rollout_batch_size,
+            train_batch_groups=r.train_batch_groups,
+            n_samples_per_prompt=r.n_samples_per_prompt,
+            max_budget_tokens=r.max_budget,
+            max_response_len=r.max_response_len,
+            max_staleness=b.max_staleness,
+            stale_policy=policy,
+            lease_seconds=b.lease_seconds,
+            flush_tokens=b.flush_tokens,
+            batches_per_version=cfg.weight_sync.interval,
+        )
+
+    @classmethod
+    def from_partial_percent(cls, rollout_batch_size: int, partial_percent: float, **kw: Any) -> "BufferSettings":
+        """Settings with B = ceil(p * R) (ARCHITECTURE §3)."""
+        if not 0 < partial_percent <= 1:
+            raise BadRequest(f"partial_percent must be in (0, 1], got {partial_percent}")
+        b = max(1, math.ceil(partial_percent * rollout_batch_size - 1e-9))
+        return cls(rollout_batch_size=rollout_batch_size, train_batch_groups=b, **kw)
+
+    def lua_args(self) -> list[Any]:
+        """ARGV[3..11] of the buffer scripts (see ``lua/settings.lua``)."""
+        return [
+            self.rollout_batch_size, self.train_batch_groups, self.n_samples_per_prompt,
+            self.max_budget_tokens, self.max_response_len, self.max_staleness, self.stale_policy,
+            int(round(self.lease_seconds * 1000)), self.batches_per_version,
+        ]
+
+    def to_json(self) -> str:
+        """Canonical JSON (stored as ``<prefix>settings``)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
+
+
+class ReplayBuffer:
+    """Client of one run's replay buffer. Create with :meth:`open`; see docs/buffer.md."""
+
+    def __init__(self, redis: Any, run: str, settings: BufferSettings, owns_client: bool) -> None:
+        self.redis = redis
+        self.run = run
+        self.prefix = key_prefix(run)
+        self.settings = settings
+        self._owns = owns_client
+        self._scripts = Scripts(redis)
+        self.clock = VersionClock(redis, run, self._scripts)
+        self._head = [self.prefix + "schema"]
+        self._argv = [self.prefix, SCHEMA_VERSION, *settings.lua_args()]
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    async def open(
+        cls, redis: Any, run: str, settings: BufferSettings | None = None, *, max_connections: int = 256
+    ) -> "ReplayBuffer":
+        """Open (create on first use) the keyspace of ``run``.
+
+        Args:
+            redis: ``redis://`` URL or a ``redis.asyncio.Redis`` created with ``decode_responses=False``.
+            run: run name (``asyncrl:{<run>}:`` prefix).
+            settings: the knobs; stored on first open, must equal the stored ones afterwards;
+                None uses the stored ones (tools), or raises when the run does not exist.
+            max_connections: pool size when a URL is given (peak concurrent calls).
+
+        Raises:
+            SchemaMismatch: another schema version, or foreign keys under the prefix.
+            SettingsMismatch: ``settings`` differ from the stored ones.
+            UnknownItem: ``settings`` is None and the run does not exist.
+            MalformedData: stored settings cannot be parsed.
+        """
+        owns = isinstance(redis, str)
+        if owns:
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(redis, decode_responses=False, max_connections=max_connections)
+        else:
+            client = redis
+        prefix = key_prefix(run)
+        try:
+            stored = await client.get(prefix + "schema")
+            if stored is None:
+                async for _key in client.scan_iter(match=prefix.replace("{", "\\{").replace("}", "\\}") + "*", count=100):
+                    raise SchemaMismatch(
+                        f"keyspace {prefix} holds keys but no schema key: foreign data; "
+                        f"use another run name or `asyncrl buffer drain --run {run}`"
+                    )
+                if settings is None:
+                    raise UnknownItem(f"run {run!r} has no buffer yet; open it with settings first")
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.set(prefix + "schema", SCHEMA_VERSION, nx=True)
+                    pipe.set(prefix + "settings", settings.to_json(), nx=True)
+                    await pipe.execute()
+                stored = await client.get(prefix + "schema")
+            if _s(stored) != SCHEMA_VERSION:
+                raise SchemaMismatch(
+                    f"keyspace {prefix} was written with schema {_s(stored)!r}; this asyncrl reads "
+                    f"{SCHEMA_VERSION!r}: use a matching asyncrl version or another run name"
+                )
+            raw = await client.get(prefix + "settings")
+            try:
+                stored_settings = BufferSettings(**json.loads(raw))
+            except (TypeError, ValueError) as exc:
+                raise MalformedData(f"stored settings of run {run!r} cannot be read: {exc}") from None
+            if settings is not None and settings != stored_settings:
+                raise SettingsMismatch(
+                    f"run {run!r} was opened with {stored_settings}, now {settings}: every role must use "
+                    "the same rollout/buffer settings (drain the run to change them)"
+                )
+        except BaseException:
+            if owns:
+                await client.aclose()
+            raise
+        return cls(client, run, stored_settings, owns)
+
+    async def close(self) -> None:
+        """Close the client if this buffer created it."""
+        if self._owns:
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> "ReplayBuffer":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _run(self, name: str, *args: Any) -> Any:
+        return await self._scripts.run(name, self._head, [*self._argv, *args])
+
+    # ------------------------------------------------------------------ feeder
+    async def dataset_cursor(self) -> int:
+        """Index of the next dataset prompt to feed."""
+        return int(await self.redis.get(self.prefix + "cursor") or 0)
+
+    async def pending_groups(self) -> int:
+        """Groups fed but not admitted yet (feed while this is below R)."""
+        return int(await self.redis.llen(self.prefix + "pending"))
+
+    async def feed(self, groups: Sequence[PromptGroup], start_cursor: int) -> int:
+        """Append ``groups`` and move the dataset cursor to ``start_cursor + len(groups)``, atomically.
+
+        Returns:
+            the new cursor.
+
+        Raises:
+            CursorMismatch: the stored cursor is not ``start_cursor`` (nothing written).
+            DuplicateItem: a group id exists already (nothing written).
+            BadRequest: bad group id, empty prompt or n outside [1, 1024].
+        """
+        args: list[Any] = [int(start_cursor), len(groups)]
+        for g in groups:
+            if not GROUP_ID.match(g.group_id):
+                raise BadRequest(f"group_id {g.group_id!r} must match {GROUP_ID.pattern}")
+            if not g.prompt_ids:
+                raise BadRequest(f"prompt group {g.group_id} has no prompt tokens")
+            if not 1 <= g.n_samples <= 1024:
+                raise BadRequest(f"prompt group {g.group_id}: n_samples={g.n_samples} must be in [1, 1024]")
+            args += [g.group_id, pack_i32(g.prompt_ids), json.dumps(g.metadata), int(g.n_samples)]
+        if len({g.group_id for g in groups}) != len(groups):
+            raise BadRequest("feed got the same group_id twice")
+        return int(await self._run("feed", *args))
+
+    def make_group(self, group_id: str, prompt_ids: Sequence[int], metadata: dict | None = None) -> PromptGroup:
+        """A :class:`PromptGroup` with this run's ``n_samples_per_prompt``."""
+        return PromptGroup(group_id, list(prompt_ids), dict(metadata or {}), self.settings.n_samples_per_prompt)
+
+    # ------------------------------------------------------------------ rollout worker
+    async def claim(self, worker_id: str, max_items: int = 1) -> list[WorkItem]:
+        """Lease up to ``max_items`` work items (order in docs/buffer.md); [] when there is none.
+
+        Raises:
+            MalformedData: a stored sample or group is damaged.
+        """
+        if max_items < 1:
+            raise BadRequest(f"max_items must be >= 1, got {max_items}")
+        rows = await self._run("claim", worker_id, int(max_items))
+        items = []
+        for r in rows:
+            ids = unpack_i32(r[6])
+            items.append(
+                WorkItem(
+                    kind=WorkKind(_s(r[0])), sample_id=_s(r[1]), group_id=_s(r[2]), index=int(r[3]),
+                    claim_token=_s(r[4]), prompt_ids=unpack_i32(r[5]), response_ids=ids,
+                    metadata=json.loads(r[7]), max_new_tokens=int(r[8]),
+                    produced_under_version_tokens=int(r[9]), clock_version=int(r[10]), lineage=int(r[11]),
+                    num_resumes=int(r[12]), length_tokens=len(ids),
+                )
+            )
+        return items
+
+    async def append(
+        self, item: WorkItem, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+    ) -> int:
+        """Append one chunk of generated tokens (exactly once, at ``item.length_tokens``).
+
+        Args:
+            ids, logprobs, versions: shape (T,) each: token ids, behaviour logprobs, policy versions.
+
+        Returns:
+            the response length after the append (also stored in ``item.length_tokens``).
+
+        Raises:
+            LeaseLost, VersionAhead, BadRequest, BadOffset, UnknownItem: nothing appended.
+        """
+        return (await self._append(item, ids, logprobs, versions, ""))[0]
+
+    async def end_segment(
+        self,
+        item: WorkItem,
+        finish_reason: str,
+        ids: Sequence[int] = (),
+        logprobs: Sequence[float] = (),
+        versions: Sequence[int] = (),
+    ) -> SampleStatus:
+        """Append an optional last chunk and end the engine call (one script).
+
+        ``stop`` → COMPLETE; ``length`` at ``max_response_len`` → COMPLETE; ``length`` below it
+        or ``budget`` → PARTIAL (parked at the budget); ``abort`` → PARTIAL (resumable now; a
+        sample with no tokens goes back to PENDING).
+
+        Raises:
+            LeaseLost, VersionAhead, BadRequest, BadOffset, UnknownItem: nothing changed.
+        """
+        if finish_reason not in FINISH_REASONS:
+            raise BadRequest(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
+        _, status = await self._append(item, ids, logprobs, versions, finish_reason)
+        return SampleStatus(status)
+
+    async def _append(self, item: WorkItem, ids: Any, logprobs: Any, versions: Any, finish: str) -> tuple[int, str]:
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise BadRequest(
+                f"chunk arrays differ in length: ids {len(ids)}, logprobs {len(logprobs)}, versions {len(versions)}"
+            )
+        try:
+            packed = (pack_i32(ids), pack_f32(logprobs), pack_i32(versions))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        res = await self._run("append", item.sample_id, item.claim_token, item.length_tokens, *packed, finish)
+        item.length_tokens = int(res[0])
+        return item.length_tokens, _s(res[1])
+
+    async def score(
+        self,
+        item: WorkItem,
+        reward: float | None = None,
+        error: str | None = None,
+        advantages: float | Sequence[float] | None = None,
+    ) -> GroupState:
+        """Record the reward (or the reward function's ``error``) of a COMPLETE sample.
+
+        Exactly one of ``reward`` / ``error``. ``advantages``: optional precomputed scalar or
+        per-token list (length = response length).
+
+        Returns:
+            the group's state afterwards (GENERATING, READY or DROPPED with ``reward_error``).
+
+        Raises:
+            LeaseLost, InvalidTransition (not COMPLETE), BadRequest, UnknownItem: nothing changed.
+        """
+        if (reward is None) == (error is None):
+            raise BadRequest("score needs exactly one of reward= or error=")
+        if reward is not None and not math.isfinite(float(reward)):
+            raise BadRequest(f"reward must be finite, got {reward}")
+        advk, adv = "", b""
+        if advantages is not None:
+            if isinstance(advantages, (int, float)):
+                if not math.isfinite(float(advantages)):
+                    raise BadRequest("advantage must be finite")
+                advk, adv = "scalar", repr(float(advantages)).encode()
+            else:
+                advk = "tokens"
+                try:
+                    adv = pack_f32(list(advantages))
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+        kind, value = ("reward", repr(float(reward))) if reward is not None else ("error", str(error))
+        res = await self._run("score", item.sample_id, item.claim_token, kind, value, advk, adv)
+        return GroupState(_s(res))
+
+    async def renew(self, items: Iterable[WorkItem]) -> int:
+        """Extend the leases of ``items`` by ``lease_seconds``; returns how many are still held."""
+        args: list[Any] = []
+        for it in items:
+            args += [it.sample_id, it.claim_token]
+        if not args:
+            return 0
+        return int(await self._run("renew", *args))
+
+    # ------------------------------------------------------------------ trainer
+    async def next_batch(self, step: int) -> Batch | None:
+        """The train batch for ``step`` (B groups, oldest first), or None when fewer are READY.
+
+        An open batch (handed out, not acknowledged) is returned again with ``redelivered=True``.
+        """
+        kind, ref = await self._run("next_batch", int(step))
+        if _s(kind) == "none":
+            return None
+        return await self._load_batch(_s(ref), redelivered=_s(kind) == "open")
+
+    async def wait_batch(self, step: int, timeout_seconds: float | None = None, poll_seconds: float = 0.05) -> Batch:
+        """Poll :meth:`next_batch` until a batch forms.
+
+        Raises:
+            TimeoutError: none within ``timeout_seconds``.
+        """
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        while True:
+            batch = await self.next_batch(step)
+            if batch is not None:
+                return batch
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no train batch of {self.settings.train_batch_groups} READY groups within {timeout_seconds}s")
+            await asyncio.sleep(poll_seconds)
+
+    async def _load_batch(self, bid: str, redelivered: bool) -> Batch:
+        raw = await self.redis.hgetall(self.prefix + f"batch:{bid}")
+        if not raw or b"groups" not in raw:
+            raise MalformedData(f"batch {bid} record is missing")
+        h = {k.decode(): v for k, v in raw.items()}
+        version = int(h["version"])
+        groups = []
+        for gid in _s(h["groups"]).split(","):
+            group, samples = await self.get_group(gid)
+            scored = [s for s in samples if s.status == SampleStatus.SCORED]
+            olds = [s.oldest_version for s in scored if s.oldest_version is not None]
+            oldest = min(olds) if olds else version
+            groups.append(
+                BatchGroup(group, scored, oldest, version - oldest, sum(s.status == SampleStatus.FAILED for s in samples))
+            )
+        return Batch(bid, int(h["step"]), version, int(h.get("lineage", 0)), groups, redelivered)
+
+    async def acknowledge(self, batch: Batch | str, step: int) -> bool:
+        """Mark the batch trained at ``step``; True the first time, False for a harmless repeat.
+
+        Raises:
+            InvalidTransition: acknowledged before at another step, or ``step`` not after the last one.
+            UnknownItem: no such batch (reverted by recover, or never handed out).
+        """
+        bid = batch.batch_id if isinstance(batch, Batch) else batch
+        return bool(await self._run("ack", bid, int(step)))
+
+    async def commit(self, step: int) -> int:
+        """A checkpoint covers ``step``: delete groups acknowledged at steps <= ``step``; returns how many."""
+        return int(await self._run("commit", int(step)))
+
+    async def recover(self, step: int, version: int, uri: str = "", checksum: str = "") -> dict[str, int]:
+        """The trainer resumed from the checkpoint of ``step`` holding policy ``version``.
+
+        Returns:
+            ``{"replayed_groups", "restarted_groups", "dropped_groups", "lineage", "revoked_leases"}``.
+
+        Raises:
+            BadRequest: ``version`` ahead of the clock, rewinding without ``uri``, or ``step``
+                before the last committed step.
+        """
+        r = await self._run("recover", int(step), int(version), uri, checksum, self.clock.channel)
+        keys = ("replayed_groups", "restarted_groups", "dropped_groups", "lineage", "revoked_leases")
+        return {k: int(v) for k, v in zip(keys, r)}
+
+    # ------------------------------------------------------------------ reading
+    async def get_group(self, group_id: str) -> tuple[PromptGroup, list[Sample]]:
+        """A group and its samples, decoded.
+
+        Raises:
+            UnknownItem: no such group; MalformedData: damaged record.
+        """
+        raw = await self.redis.hgetall(self.prefix + f"group:{group_id}")
+        if not raw:
+            raise UnknownItem(f"prompt group {group_id} does not exist in run {self.run}")
+        h = {k.decode(): v for k, v in raw.items()}
+        try:
+            n = int(h["n"])
+            group = PromptGroup(
+                group_id=_s(h["gid"]), prompt_ids=unpack_i32(h["prompt"]), metadata=json.loads(h["meta"]),
+                n_samples=n, feed_index=int(h.get("feed_index", -1)), state=GroupState(_s(h["state"])),
+                admission_seq=int(h.get("seq", 0)),
+            )
+        except (KeyError, ValueError) as exc:
+            raise MalformedData(f"prompt group {group_id} record is damaged: {exc!r}") from None
+        samples: list[Sample] = []
+        if group.state != GroupState.PENDING:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in range(n):
+                    pipe.hgetall(self.prefix + f"sample:{group_id}/{i}")
+                raws = await pipe.execute()
+            samples = [self._decode_sample(f"{group_id}/{i}", r) for i, r in enumerate(raws)]
+        return group, samples
+
+    async def get_sample(self, sample_id: str) -> Sample:
+        """One sample, decoded. Raises UnknownItem or MalformedData."""
+        raw = await self.redis.hgetall(self.prefix + f"sample:{sample_id}")
+        return self._decode_sample(sample_id, raw)
+
+    def _decode_sample(self, sid: str, raw: dict) -> Sample:
+        if not raw:
+            raise UnknownItem(f"sample {sid} does not exist in run {self.run}")
+        h = {k.decode(): v for k, v in raw.items()}
+        try:
+            ids, lps, vers = unpack_i32(h["ids"]), unpack_f32(h["lps"]), unpack_i32(h["vers"])
+            if not len(ids) == len(lps) == len(vers):
+                raise ValueError(f"array lengths differ: {len(ids)}, {len(lps)}, {len(vers)}")
+            segs_raw = unpack_i32(h.get("segs", b""))
+            if len(segs_raw) % 3:
+                raise ValueError("segment array is not a multiple of 3 int32")
+            segs = [
+                Segment(segs_raw[j], segs_raw[j + 1], _SEGMENT_REASON.get(segs_raw[j + 2], "abort"))
+                for j in range(0, len(segs_raw), 3)
+            ]
+            adv: Any = None
+            advk = _s(h.get("adv_kind", b""))
+            if advk == "scalar":
+                adv = float(h["adv"])
+            elif advk == "tokens":
+                adv = unpack_f32(h["adv"])
+            finish = _s(h.get("finish", b"")) or None
+            return Sample(
+                sample_id=_s(h["sid"]), group_id=_s(h["gid"]), index=int(h["idx"]), response_ids=ids,
+                behaviour_logprobs=lps, versions=vers, segments=segs, status=SampleStatus(_s(h["status"])),
+                finish_reason=finish, reward=float(h["reward"]) if "reward" in h else None,
+                error=_s(h["error"]) if "error" in h else None, advantages=adv,
+                num_resumes=int(h.get("resumes", 0)), num_restarts=int(h.get("restarts", 0)),
+                created_ms=int(h.get("created", 0)), updated_ms=int(h.get("updated", 0)),
+                completed_ms=int(h.get("completed", 0)),
+            )
+        except (KeyError, ValueError) as exc:
+            raise MalformedData(f"sample {sid} record is damaged: {exc!r}") from None
+
+    # ------------------------------------------------------------------ operations
+    async def stats(self) -> dict[str, Any]:
+        """Counts by state, staleness histogram, partial ratio, oldest version in flight,
+        drop/restart counts by reason, lineage, clock (what ``asyncrl buffer stats`` prints)."""
+        p = self.prefix
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in ("fresh", "resumable", "parked", "unscored", "leases", "inflight", "ready", "groups"):
+                pipe.zcard(p + name)
+            pipe.llen(p + "pending")
+            pipe.llen(p + "replay")
+            pipe.hgetall(p + "stats")
+            pipe.get(p + "version")
+            pipe.get(p + "lineage")
+            pipe.get(p + "cursor")
+            pipe.get(p + "admitted")
+            pipe.zrange(p + "groups", 0, -1)
+            pipe.get(p + "batch:open")
+            pipe.get(p + "last_acked_step")
+            pipe.get(p + "committed_step")
+            res = await pipe.execute()
+        (fresh, resumable, parked, unscored, leased, inflight, ready, live, pending, replay, counters,
+         version, lineage, cursor, admitted, gids, open_batch, last_acked, committed) = res
+        version = int(version or 0)
+        counters = {_s(k): int(v) for k, v in counters.items()}
+        group_states: dict[str, int] = {}
+        sample_states: dict[str, int] = {}
+        hist: dict[int, int] = {}
+        oldest_in_flight: int | None = None
+        partial_samples = 0
+        gids = [_s(g) for g in gids]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for gid in gids:
+                pipe.hmget(p + f"group:{gid}", "state", "n")
+            ginfo = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for gid, (state, n) in zip(gids, ginfo):
+                for i in range(int(n or 0)):
+                    pipe.hmget(p + f"sample:{gid}/{i}", "status", "minv", "resumes")
+            sinfo = iter(await pipe.execute())
+        for gid, (state, n) in zip(gids, ginfo):
+            st = _s(state or b"missing")
+            group_states[st] = group_states.get(st, 0) + 1
+            gmin = -1
+            for _ in range(int(n or 0)):
+                sst, minv, resumes = next(sinfo)
+                sst = _s(sst or b"missing")
+                sample_states[sst] = sample_states.get(sst, 0) + 1
+                mv = int(minv or -1)
+                if mv >= 0:
+                    gmin = mv if gmin < 0 else min(gmin, mv)
+                if sst == "partial" or int(resumes or 0) > 0:
+                    partial_samples += 1
+            if st in ("generating", "ready") and gmin >= 0:
+                oldest_in_flight = gmin if oldest_in_flight is None else min(oldest_in_flight, gmin)
+            if st in ("ready", "batched") and gmin >= 0:
+                hist[version - gmin] = hist.get(version - gmin, 0) + 1
+        group_states["pending"] = int(pending)
+        total_samples = sum(sample_states.values())
+        return {
+            "run": self.run,
+            "version": version,
+            "lineage": int(lineage or 0),
+            "dataset_cursor": int(cursor or 0),
+            "admitted_groups": int(admitted or 0),
+            "groups_by_state": group_states,
+            "samples_by_state": sample_states,
+            "queues": {"fresh": fresh, "resumable": resumable, "parked": parked, "unscored": unscored,
+                       "leased": leased, "inflight_groups": inflight, "ready": ready, "replay": replay,
+                       "live_groups": live},
+            "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+            "partial_ratio": (partial_samples / total_samples) if total_samples else 0.0,
+            "oldest_version_in_flight": oldest_in_flight,
+            "dropped_by_reason": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("dropped_groups:")},
+            "restarted_by_reason": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("restarted_")},
+            "open_batch": _s(open_batch) if open_batch else None,
+            "last_acked_step": int(last_acked) if last_acked is not None else None,
+            "committed_step": int(committed) if committed is not None else None,
+            "counters": counters,
+            "settings": asdict(self.settings),
+        }
+
+    async def dropped_groups(self) -> dict[str, str]:
+        """Every dropped group id and its reason."""
+        raw = await self.redis.hgetall(self.prefix + "dropped")
+        return {_s(k): _s(v) for k, v in raw.items()}
+
+    async def drain(self) -> int:
+        """Delete every key of the run (including the schema key); returns how many."""
+        n = 0
+        pattern = self.prefix.replace("{", "\\{").replace("}", "\\}") + "*"
+        batch: list[Any] = []
+        async for key in self.redis.scan_iter(match=pattern, count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                n += await self.redis.unlink(*batch)
+                batch = []
+        if batch:
+            n += await self.redis.unlink(*batch)
+        return n
+
+
+def settings_fields() -> list[str]:
+    """Names of the :class:`BufferSettings` fields (for tools)."""
+    return [f.name for f in fields(BufferSettings)]

@@ -1,0 +1,118 @@
+"""``asyncrl buffer stats|inspect|drain``: look into (or empty) a run's replay buffer.
+
+* ``stats``: counts by state, staleness histogram, partial ratio, oldest version in flight,
+  drop/restart counts by reason, lineage (``--json`` for machines);
+* ``inspect SAMPLE_ID``: one sample decoded (token ids, logprobs, versions, segments; the text
+  too with ``--tokenizer PATH``);
+* ``drain``: deletes every key of the run after confirmation (``--yes`` skips the prompt).
+
+The run's stored settings are used (the CLI never changes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+USAGE_EPILOG = "examples: asyncrl buffer stats --redis_url redis://:pw@127.0.0.1:6379/0 --run myrun --json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl buffer", description=__doc__.split("\n\n")[0], epilog=USAGE_EPILOG)
+    sub = parser.add_subparsers(dest="action", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--redis_url", default=os.environ.get("ASYNCRL_BUFFER__REDIS_URL"),
+                        help="redis:// URL of the buffer (default: $ASYNCRL_BUFFER__REDIS_URL)")
+    common.add_argument("--run", default="asyncrl", help="run name (key prefix asyncrl:{RUN}:), default asyncrl")
+    common.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    sub.add_parser("stats", parents=[common], help="counts by state, staleness, partial ratio, drops, lineage")
+    p_inspect = sub.add_parser("inspect", parents=[common], help="one sample decoded")
+    p_inspect.add_argument("sample_id", help="sample id, <group_id>/<index>")
+    p_inspect.add_argument("--tokenizer", default=None, help="tokenizer directory to decode the text")
+    p_drain = sub.add_parser("drain", parents=[common], help="delete every key of the run")
+    p_drain.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    return parser
+
+
+def _print_stats(s: dict) -> None:
+    print(f"run {s['run']}: policy version {s['version']}, lineage {s['lineage']}, dataset cursor {s['dataset_cursor']}")
+    print("groups by state:  " + ", ".join(f"{k} {v}" for k, v in sorted(s["groups_by_state"].items())))
+    print("samples by state: " + ", ".join(f"{k} {v}" for k, v in sorted(s["samples_by_state"].items())))
+    print("queues:           " + ", ".join(f"{k} {v}" for k, v in s["queues"].items()))
+    print(f"partial ratio {s['partial_ratio']:.3f}; oldest version in flight {s['oldest_version_in_flight']}")
+    hist = s["staleness_histogram"]
+    print("staleness (ready/batched groups): " + (", ".join(f"{k}: {v}" for k, v in hist.items()) or "none"))
+    print("dropped by reason: " + (", ".join(f"{k} {v}" for k, v in s["dropped_by_reason"].items()) or "none"))
+    print("restarted by reason: " + (", ".join(f"{k} {v}" for k, v in s["restarted_by_reason"].items()) or "none"))
+    print(f"open batch {s['open_batch']}; last acknowledged step {s['last_acked_step']}; committed step {s['committed_step']}")
+
+
+async def _amain(args: argparse.Namespace) -> int:
+    from buffers import BufferError, ReplayBuffer
+
+    try:
+        buf = await ReplayBuffer.open(args.redis_url, args.run, None)
+    except BufferError as exc:
+        print(f"asyncrl buffer: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if args.action == "stats":
+            s = await buf.stats()
+            if args.json:
+                print(json.dumps(s, indent=2, sort_keys=True))
+            else:
+                _print_stats(s)
+            return 0
+        if args.action == "inspect":
+            try:
+                sample = await buf.get_sample(args.sample_id)
+            except BufferError as exc:
+                print(f"asyncrl buffer: {exc}", file=sys.stderr)
+                return 1
+            from dataclasses import asdict
+
+            d = asdict(sample)
+            d["status"] = sample.status.value
+            if args.tokenizer:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(args.tokenizer)
+                d["text"] = tok.decode(sample.response_ids)
+            if args.json:
+                print(json.dumps(d, indent=2))
+            else:
+                for k, v in d.items():
+                    print(f"{k}: {v}")
+            return 0
+        # drain
+        if not args.yes:
+            answer = input(f"delete every key of run {args.run!r} (asyncrl:{{{args.run}}}:*)? type the run name: ")
+            if answer.strip() != args.run:
+                print("asyncrl buffer: not drained", file=sys.stderr)
+                return 1
+        n = await buf.drain()
+        print(json.dumps({"deleted_keys": n}) if args.json else f"drained run {args.run}: {n} keys deleted")
+        return 0
+    finally:
+        await buf.close()
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``asyncrl buffer``; returns the exit code (2: usage, 1: buffer error)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if not args.redis_url:
+        print("asyncrl buffer: --redis_url is required (or set ASYNCRL_BUFFER__REDIS_URL)", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_amain(args))
+    except (OSError, ConnectionError) as exc:
+        print(f"asyncrl buffer: cannot reach {args.redis_url}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,99 @@
+-- claim: reclaim expired leases, admit groups, then lease up to max_items work items:
+-- unscored complete samples, resumable partials (oldest version first), fresh samples, and,
+-- only when nothing else is admissible, budget-parked samples under the same version.
+-- ARGV[12] = worker id, ARGV[13] = max items.
+local worker = ARGV[12]
+local maxn = tonumber(ARGV[13])
+local v = clock()
+local lin = lineage()
+-- 1. reclaim expired leases (the worker died or stalled)
+local expired = redis.call('ZRANGEBYSCORE', k('leases'), '-inf', NOW, 'LIMIT', 0, 256)
+for _, sid in ipairs(expired) do release_running(sid) end
+if #expired > 0 then stat('reclaimed_leases', #expired) end
+-- 2. budget-parked samples become resumable once a newer version is announced
+local promote = redis.call('ZRANGEBYSCORE', k('parked'), '-inf', '(' .. v)
+for _, sid in ipairs(promote) do
+  redis.call('ZREM', k('parked'), sid)
+  make_resumable(sid, tonumber(redis.call('HGET', skey(sid), 'minv')))
+end
+-- 3. admission control
+admit()
+local out = {}
+local function take(sid, kind, from, idle)
+  local sk = skey(sid)
+  local f = redis.call('HMGET', sk, 'gid', 'idx', 'ids', 'bver', 'bused', 'resumes', 'status')
+  if not f[1] or not f[3] or not f[2] then
+    return err('MALFORMED', 'sample ' .. sid .. ' lacks gid/idx/ids')
+  end
+  if #f[3] % 4 ~= 0 then return err('MALFORMED', 'sample ' .. sid .. ' has a token array of ' .. #f[3] .. ' bytes') end
+  local gk = gkey(f[1])
+  local g = redis.call('HMGET', gk, 'prompt', 'meta')
+  if not g[1] then return err('MALFORMED', 'group ' .. f[1] .. ' of sample ' .. sid .. ' is missing') end
+  redis.call('ZREM', k(from), sid)
+  local len = #f[3] / 4
+  local bver = tonumber(f[4])
+  local bused = tonumber(f[5])
+  if idle then bver = v; bused = 0; stat('idle_resumes') end
+  local used = 0
+  if bver == v then used = bused end
+  local token = tostring(redis.call('INCR', k('claimseq')))
+  local resumes = tonumber(f[6])
+  if kind == 'generate' then
+    if len > 0 then resumes = resumes + 1 end
+    redis.call('HSET', sk, 'status', 'running', 'claim', token, 'owner', worker, 'seg_start', len,
+      'resumes', resumes, 'bver', bver, 'bused', bused, 'updated', NOW)
+  else
+    redis.call('HSET', sk, 'claim', token, 'owner', worker, 'updated', NOW)
+  end
+  redis.call('ZADD', k('leases'), NOW + LEASE_MS, sid)
+  local max_new = math.min(M - used, L - len)
+  if max_new < 0 then max_new = 0 end
+  out[#out + 1] = {kind, sid, f[1], f[2], token, g[1], f[3], g[2] or '{}', max_new, used, v, lin, resumes}
+  return nil
+end
+-- staleness check of a partial about to resume (per sample)
+local function stale_ok(sid)
+  local minv = tonumber(redis.call('HGET', skey(sid), 'minv') or '-1')
+  if minv < 0 or v - minv <= ETA or POLICY == 'keep' then return true end
+  if POLICY == 'restart' then
+    reset_sample(sid, 'stale_resume')
+  else
+    drop_group(redis.call('HGET', skey(sid), 'gid'), 'stale_resume')
+    admit()
+  end
+  return false
+end
+local guard = 0
+while #out < maxn and guard < 10000 do
+  guard = guard + 1
+  local e
+  local sid = redis.call('ZRANGE', k('unscored'), 0, 0)[1]
+  if sid then
+    e = take(sid, 'score', 'unscored', false)
+  else
+    sid = redis.call('ZRANGE', k('resumable'), 0, 0)[1]
+    if sid then
+      local f = redis.call('HMGET', skey(sid), 'bver', 'bused')
+      if tonumber(f[1]) == v and tonumber(f[2]) >= M then
+        -- its budget under this version is spent (aborted at the budget): park it
+        redis.call('ZREM', k('resumable'), sid)
+        redis.call('ZADD', k('parked'), v, sid)
+        redis.call('HSET', skey(sid), 'finish', 'budget')
+      elseif stale_ok(sid) then
+        e = take(sid, 'generate', 'resumable', false)
+      end
+    else
+      sid = redis.call('ZRANGE', k('fresh'), 0, 0)[1]
+      if sid then
+        e = take(sid, 'generate', 'fresh', false)
+      else
+        sid = redis.call('ZRANGE', k('parked'), 0, 0)[1]
+        if not sid then break end
+        if stale_ok(sid) then e = take(sid, 'generate', 'parked', true) end
+      end
+    end
+  end
+  if e then return e end
+end
+if #out > 0 then stat('claims', #out) end
+return out

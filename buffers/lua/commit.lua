@@ -1,0 +1,22 @@
+-- commit: a checkpoint covers `step`: delete every group acknowledged at a step <= step (only those).
+-- ARGV[12] = step. Returns the number of groups deleted.
+local step = tonumber(ARGV[12])
+local bids = redis.call('ZRANGEBYSCORE', k('acked_batches'), '-inf', step)
+local c = 0
+for _, bid in ipairs(bids) do
+  local gids = redis.call('HGET', k('batch:' .. bid), 'groups') or ''
+  for gid in string.gmatch(gids, '[^,]+') do
+    local n = tonumber(redis.call('HGET', gkey(gid), 'n') or '0')
+    for i = 0, n - 1 do redis.call('DEL', skey(gid .. '/' .. i)) end
+    redis.call('DEL', gkey(gid))
+    redis.call('ZREM', k('groups'), gid)
+    c = c + 1
+  end
+  redis.call('DEL', k('batch:' .. bid))
+  redis.call('ZREM', k('acked_batches'), bid)
+  redis.call('SADD', k('committed_batches'), bid)
+end
+local prev = tonumber(redis.call('GET', k('committed_step')) or '-1')
+if step > prev then redis.call('SET', k('committed_step'), step) end
+stat('committed_groups', c)
+return c
