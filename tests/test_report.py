@@ -1,0 +1,119 @@
+"""``asyncrl report`` on synthetic runs written with the real MetricsLogger."""
+
+from __future__ import annotations
+
+import math
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config import dump_config, load_config
+from asyncrl.report import load_run, main, series, summarize, time_to_reach
+from asyncrl.tracking import MetricsLogger
+
+
+def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1.0):
+    """A 40-step run: accuracy rises 0.1 -> 0.5 over 40 steps taking 30 s / speed each."""
+    cfg = load_config(["--max_staleness", str(staleness), "--partial_percent", str(partial),
+                       "--max_budget", "32", "--max_response_len", "64"])
+    dump_config(cfg, run_dir / "config.yaml")
+    trainer = MetricsLogger(run_dir, role="trainer")
+    rollouts = [MetricsLogger(run_dir, role=f"rollout-{i}") for i in range(2)]
+    controller = MetricsLogger(run_dir, role="controller")
+    for step in range(1, 41):
+        wall = step * 30.0 / speed
+        trainer.log(step, {"reward/mean": 0.1 + 0.01 * step, "staleness/max": min(staleness, step % 3),
+                           "staleness/mean": 0.5, "idle_ratio/trainer": 0.3,
+                           "time/forward_backward_seconds": 10.0}, wall_seconds=wall)
+        for i, r in enumerate(rollouts):
+            r.log(step, {"rollout/tokens_per_second": 100.0 + i, "idle_ratio/rollout-" + str(i): 0.1},
+                  wall_seconds=wall + 1)
+        if step % 10 == 0 or step == 1:
+            acc = 0.1 + 0.01 * step
+            half = 1.96 * math.sqrt(acc * (1 - acc) / 400)
+            controller.log(step, {"eval/accuracy_sampled": acc, "eval/accuracy_greedy": acc + 0.05,
+                                  "eval/ci95_low": acc - half, "eval/ci95_high": acc + half,
+                                  "eval/num_problems": 400, "time/eval_seconds": 20.0 * step},
+                           wall_seconds=wall + 2)
+        controller.log(step, {"buffer/partial_ratio": 0.25, "buffer/drops": 1, "buffer/restarts": 3,
+                              "supervisor/restarts": 0}, wall_seconds=wall + 2)
+    for lg in (trainer, *rollouts, controller):
+        lg.close()
+    return run_dir
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_series_sums_roles_and_prefers_controller():
+    recs = [
+        {"step": 1, "wall_seconds": 1, "role": "rollout-0", "rollout/tokens_per_second": 10.0},
+        {"step": 1, "wall_seconds": 2, "role": "rollout-1", "rollout/tokens_per_second": 5.0},
+        {"step": 2, "wall_seconds": 3, "role": "rollout-0", "rollout/tokens_per_second": 12.0},
+    ]
+    assert series(recs, "rollout/tokens_per_second") == ([1.0, 2.0, 3.0], [10.0, 15.0, 17.0])
+    recs.append({"step": 2, "wall_seconds": 4, "role": "controller", "rollout/tokens_per_second": 30.0})
+    assert series(recs, "rollout/tokens_per_second") == ([4.0], [30.0])
+    assert series(recs, "missing/metric") == ([], [])
+
+
+def test_summary_numbers(tmp_path):
+    run = load_run(make_run(tmp_path / "async"))
+    s = summarize(run)
+    assert s["steps"] == 40 and s["wall_seconds"] == pytest.approx(40 * 30 + 2)
+    assert s["accuracy_first"] == pytest.approx(0.11) and s["accuracy_final"] == pytest.approx(0.5)
+    assert s["accuracy_best"] == pytest.approx(0.5) and s["accuracy_best_wall_seconds"] == pytest.approx(1202)
+    assert s["tokens_per_second_mean"] == pytest.approx(200.5, rel=0.01)
+    assert s["staleness_max"] == 2 and s["max_staleness_bound"] == 2
+    assert s["partial_ratio_mean"] == pytest.approx(0.25)
+    assert s["idle_ratios"] == {"trainer": pytest.approx(0.3), "rollout-0": pytest.approx(0.1),
+                                "rollout-1": pytest.approx(0.1)}
+    assert s["drops"] == 1 and s["restarts"] == 3 and s["eval_seconds"] == 800
+    assert time_to_reach(run, 0.3) == pytest.approx(20 * 30 + 2)
+    assert time_to_reach(run, 0.9) is None
+
+
+def test_cli_writes_png_and_markdown(tmp_path):
+    run_dir = make_run(tmp_path / "async")
+    assert main([str(run_dir)]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert "![curves](report.png)" in md
+    assert "| train steps | 40 |" in md
+    assert "| max staleness seen / bound | 2 / 2 |" in md
+    assert "0.5 [0.451, 0.549]" in md
+    assert "trainer 0.30" in md and "rollout-0 0.10" in md
+    w, h = _png_size(run_dir / "report.png")
+    assert w > 1000 and h > 600
+
+
+def test_compare_two_runs(tmp_path):
+    fast = make_run(tmp_path / "async", speed=1.5, staleness=2, partial=0.75)
+    slow = make_run(tmp_path / "sync", speed=1.0, staleness=0, partial=1.0)
+    out = tmp_path / "cmp"
+    assert main([str(fast), "--compare", str(slow), "--out", str(out)]) == 0
+    md = (out / "report-compare.md").read_text()
+    assert "| | async | sync |" in md
+    # sync's best (0.5) is reached at 40*30/1.5+2 = 802 s by async, 1202 s by sync: 1.50x
+    assert "async 13.4 min, sync 20.0 min; async gets there 1.50× sooner" in md
+    assert _png_size(out / "report-compare.png")[0] > 1000
+
+
+def test_errors(tmp_path, capsys):
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no metrics" in capsys.readouterr().err
+
+
+def test_report_through_the_cli(tmp_path):
+    run_dir = make_run(tmp_path / "r")
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "report", str(run_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "# asyncrl run report: r" in proc.stdout
