@@ -324,7 +324,7 @@ class RolloutMetrics:
             registry=r,
         )
         self.reward = Histogram(
-            "asyncrl_rollout_reward", "Reward of scored samples (after scale/bias/clip).", buckets=REWARD_BUCKETS, registry=r
+            "asyncrl_rollout_reward", "Reward of scored samples (after scale/bias/clip); negative buckets, so no _sum series (OpenMetrics).", buckets=REWARD_BUCKETS, registry=r
         )
         self.inflight_requests = Gauge(
             "asyncrl_rollout_inflight_requests", "Engine requests this worker has in flight.", registry=r

@@ -135,8 +135,8 @@ def rows() -> list[list[dict]]:
         [
             _panel("Reward", [
                 (f"avg(asyncrl_trainer_reward_mean{{{R}}})", "train batch mean"),
-                (_mean("asyncrl_rollout_reward"), "scored samples mean"),
-            ], "none", "Mean reward of train batches and of freshly scored samples."),
+                (_quantile(0.5, "asyncrl_rollout_reward"), "scored samples median"),
+            ], "none", "Mean reward of train batches; median reward of freshly scored samples (a histogram with negative buckets has no _sum, so no mean)."),
             _panel("Accuracy", [
                 (f"avg(asyncrl_trainer_accuracy_ratio{{{R}}})", "train batch"),
                 (f"sum(rate(asyncrl_rollout_samples_scored_total{{{R},outcome=\"correct\"}}[$__rate_interval])) / sum(rate(asyncrl_rollout_samples_scored_total{{{R},outcome=~\"correct|incorrect\"}}[$__rate_interval]))", "rollouts"),
