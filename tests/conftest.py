@@ -49,3 +49,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from asyncrl.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture
+def prometheus_server(tmp_path):
+    """Factory for real Prometheus servers (1 s scrapes, asyncrl's recording and alert rules).
+
+    ``prom = prometheus_server({"rollout": ["127.0.0.1:30000"], "trainer": [...]}, run="tiny")``
+    returns a started ``test_monitoring.PrometheusServer`` (``query``, ``wait_for``,
+    ``assert_dashboard_has_data``); every server is stopped after the test.
+    """
+    import shutil
+
+    if shutil.which("prometheus") is None:
+        pytest.skip("needs the prometheus server binary (Debian package prometheus)")
+    from test_monitoring import PrometheusServer
+
+    servers = []
+
+    def start(targets: dict, run: str = "test"):
+        server = PrometheusServer(tmp_path / f"prometheus{len(servers)}", targets, run=run)
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
