@@ -618,7 +618,7 @@ class ReplayBuffer:
             "partial_ratio": (partial_samples / total_samples) if total_samples else 0.0,
             "oldest_version_in_flight": oldest_in_flight,
             "dropped_by_reason": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("dropped_groups:")},
-            "restarted_by_reason": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("restarted_")},
+            "restarted_by_reason": {k[len("restarted_"):]: v for k, v in counters.items() if k.startswith("restarted_")},
             "open_batch": _s(open_batch) if open_batch else None,
             "last_acked_step": int(last_acked) if last_acked is not None else None,
             "committed_step": int(committed) if committed is not None else None,

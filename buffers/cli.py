@@ -111,8 +111,10 @@ def main(argv: list[str]) -> int:
     if not args.redis_url:
         print("asyncrl buffer: --redis_url is required (or set ASYNCRL_BUFFER__REDIS_URL)", file=sys.stderr)
         return 2
+    from redis.exceptions import RedisError
+
     try:
         return asyncio.run(_amain(args))
-    except (OSError, ConnectionError) as exc:
+    except (OSError, RedisError) as exc:
         print(f"asyncrl buffer: cannot reach {args.redis_url}: {exc}", file=sys.stderr)
         return 1
