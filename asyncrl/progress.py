@@ -69,7 +69,7 @@ class Progress:
         self.wall_seconds = 0.0
         self.status = "starting"
         self._live = None
-        self._last_plain = 0.0
+        self._last_plain = float("-inf")
         self._plain_step = -1
         self._eval_pending = False
 
