@@ -274,6 +274,8 @@ class TrainerConfig(_Section):
     """Checkpoints kept on disk."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks ``asyncrl train`` launches (torchrun) on one machine."""
+    external: bool = False
+    """The trainer runs elsewhere (its own Kubernetes Job, configs/k8s): ``asyncrl train`` launches no trainer and only feeds, supervises its local roles and reports."""
 
 
 class WeightSyncConfig(_Section):
@@ -294,6 +296,8 @@ class MonitoringConfig(_Section):
     """Prometheus port of the controller (None: off; 0: a free port)."""
     trainer_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port of trainer rank 0 (None: off; 0: a free port)."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the controller's and trainer's metrics servers listen on (``0.0.0.0`` in a pod so Prometheus can scrape)."""
     jsonl: bool = True
     """Write metrics as JSONL into the run directory."""
     tensorboard: bool = False
