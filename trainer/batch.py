@@ -1,0 +1,294 @@
+"""Trainer-side samples and train batches, and the batch-source protocol.
+
+The buffer (``buffers/``) hands the trainer prompt groups; this module turns them into
+:class:`TrainSample` records (plain lists, validated), then into a :class:`TrainBatch`: the
+samples in a fixed order (groups in the order the source gave them, samples by index) with
+their processed rewards, per-token advantages and per-token loss masks. The order never depends
+on anything but the input, so two runs on the same batches see the same micro-batches.
+
+``TrainGroup.from_record`` accepts the buffer's group objects (or dicts) by field name, so
+wiring the trainer to the buffer is a thin adapter: any object with ``next_batch()`` (sync or
+async) returning a list of groups and ``acknowledge(step)`` is a :class:`BatchSource`.
+
+Loss masks (per response token):
+- a failed sample (``error`` set or no reward) is left out of the batch (ARCHITECTURE §3: the
+  group trains with the samples that succeeded if at least two remain, else it is skipped);
+- ``mask_too_long``: samples with ``finish_reason == "length"`` contribute no loss token (DAPO
+  overlong filtering, AReaL ``mask_too_long``); they still count in their group's baseline;
+- ``mask_no_eos_with_zero``: samples that did not end with EOS get reward 0 before advantage
+  estimation (AReaL ``get_packed_rewards``);
+- ``correction == mask_stale``: tokens whose policy version is older than the weights being
+  trained get mask 0 (slime ``--mask-offpolicy-in-partial-rollout``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from trainer.advantages import group_advantages, process_rewards
+
+__all__ = [
+    "BatchError",
+    "TrainSample",
+    "TrainGroup",
+    "BatchSource",
+    "PreparedSample",
+    "TrainBatch",
+    "prepare_batch",
+]
+
+
+class BatchError(ValueError):
+    """A group or sample that cannot be trained on; the message names it and what is wrong."""
+
+
+def _get(record: Any, name: str, default: Any = None) -> Any:
+    if isinstance(record, Mapping):
+        return record.get(name, default)
+    return getattr(record, name, default)
+
+
+@dataclass
+class TrainSample:
+    """One response to train on.
+
+    Attributes:
+        sample_id, group_id: identities from the buffer (used in messages and acknowledgements).
+        index: position of the sample in its group.
+        prompt_ids: (P,) prompt token ids, P >= 1.
+        response_ids: (R,) response token ids.
+        behaviour_logprobs: (R,) log pi_behav of each response token (engine, fp32).
+        versions: (R,) policy version that produced each response token.
+        finish_reason: ``stop`` (EOS or stop string), ``length`` (max_response_len) or other.
+        reward: scalar reward, None when scoring failed.
+        advantages: optional precomputed advantages: a number or R numbers.
+        error: reward/rollout error, None when fine.
+    """
+
+    sample_id: str
+    group_id: str
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    versions: list[int]
+    finish_reason: str = "stop"
+    reward: float | None = None
+    advantages: float | list[float] | None = None
+    error: str | None = None
+
+    @property
+    def eos(self) -> bool:
+        """True when the sample ended on its own (EOS or a stop string), not by truncation."""
+        return self.finish_reason == "stop"
+
+    def validate(self) -> None:
+        """Raise :class:`BatchError` naming the sample if its per-token lists are inconsistent."""
+        r = len(self.response_ids)
+        if not self.prompt_ids:
+            raise BatchError(f"sample {self.sample_id}: empty prompt_ids")
+        if len(self.behaviour_logprobs) != r or len(self.versions) != r:
+            raise BatchError(
+                f"sample {self.sample_id}: {r} response tokens but {len(self.behaviour_logprobs)} behaviour "
+                f"logprobs and {len(self.versions)} versions (one of each per response token)"
+            )
+        if any((not math.isfinite(x)) or x > 1e-4 for x in self.behaviour_logprobs):
+            raise BatchError(f"sample {self.sample_id}: behaviour logprobs must be finite and <= 0")
+        if any(v < 0 for v in self.versions):
+            raise BatchError(f"sample {self.sample_id}: negative policy version")
+
+    @classmethod
+    def from_record(cls, record: Any, group_id: str, prompt_ids: Sequence[int]) -> "TrainSample":
+        """Build from a buffer sample (object or dict with the buffer's field names)."""
+        return cls(
+            sample_id=str(_get(record, "sample_id")),
+            group_id=str(group_id),
+            index=int(_get(record, "index", 0)),
+            prompt_ids=list(prompt_ids),
+            response_ids=[int(x) for x in _get(record, "response_ids", [])],
+            behaviour_logprobs=[float(x) for x in _get(record, "behaviour_logprobs", [])],
+            versions=[int(x) for x in _get(record, "versions", [])],
+            finish_reason=str(getattr(reason, "value", reason)) if (reason := _get(record, "finish_reason")) else "stop",
+            reward=_get(record, "reward"),
+            advantages=_get(record, "advantages"),
+            error=_get(record, "error"),
+        )
+
+
+@dataclass
+class TrainGroup:
+    """A prompt group: one prompt and its samples (ordered by ``index``)."""
+
+    group_id: str
+    prompt_ids: list[int]
+    samples: list[TrainSample]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_record(cls, record: Any) -> "TrainGroup":
+        """Build from a buffer group (object or dict with ``group_id``, ``prompt_ids``, ``samples``)."""
+        if isinstance(record, TrainGroup):
+            return record
+        head = _get(record, "group", None) or record  # asyncrl.types.BatchGroup wraps a PromptGroup
+        gid = _get(head, "group_id")
+        if gid is None:
+            raise BatchError(f"a batch group has no group_id: {type(record).__name__}")
+        gid = str(gid)
+        prompt = [int(x) for x in _get(head, "prompt_ids", [])]
+        samples = [
+            s if isinstance(s, TrainSample) else TrainSample.from_record(s, gid, prompt)
+            for s in _get(record, "samples", [])
+        ]
+        return cls(gid, prompt, sorted(samples, key=lambda s: s.index), dict(_get(head, "metadata", {}) or {}))
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """Where rank 0 gets train batches (the Redis buffer, or a list in tests).
+
+    ``next_batch()`` (plain or ``async``) returns the next list of prompt groups (objects accepted
+    by :meth:`TrainGroup.from_record`), or None when the source is exhausted.
+    ``acknowledge(step)`` marks the groups of the last batch as trained by ``step``.
+    Optional: ``commit(step)`` after a checkpoint covering ``step``; ``state_dict()`` /
+    ``load_state_dict(d)`` for the dataset cursor stored in checkpoints.
+    """
+
+    def next_batch(self) -> Any: ...
+
+    def acknowledge(self, step: int) -> Any: ...
+
+
+@dataclass
+class PreparedSample:
+    """A sample ready for packing: token ids and per-response-token tensors (all (R,) fp32/long)."""
+
+    sample_id: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    versions: torch.Tensor
+    reward: float
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed to the model: prompt + response minus the last response token (never an input)."""
+        return len(self.prompt_ids) + len(self.response_ids) - 1
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class TrainBatch:
+    """Samples of one train batch, in training order, and batch statistics."""
+
+    samples: list[PreparedSample]
+    group_ids: list[str]
+    stats: dict[str, float]
+
+
+def _staleness_histogram(staleness: list[int]) -> dict[str, float]:
+    counts = Counter(min(s, 8) for s in staleness)
+    return {f"staleness_tokens_{k if k < 8 else '8plus'}": float(counts.get(k, 0)) for k in range(9) if k in counts}
+
+
+def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> TrainBatch:
+    """Validate groups, compute rewards, advantages and loss masks.
+
+    Args:
+        groups: prompt groups (buffer objects, dicts or :class:`TrainGroup`).
+        cfg: the :class:`asyncrl.config.AsyncRLConfig` (``trainer``, ``data``, ``rollout`` sections).
+        policy_version: version of the weights being trained (staleness = this - token version).
+
+    Returns:
+        the :class:`TrainBatch`.
+
+    Raises:
+        BatchError: inconsistent sample lists, a duplicate sample id, or an empty batch.
+        trainer.advantages.AdvantageError: malformed precomputed advantages.
+    """
+    tcfg, dcfg = cfg.trainer, cfg.data
+    loss_cfg = tcfg.loss
+    per_group = tcfg.advantage in ("grpo", "dr_grpo", "rloo")
+    kept: list[TrainGroup] = []
+    seen: set[str] = set()
+    dropped = 0
+    for record in groups:
+        group = TrainGroup.from_record(record)
+        good = []
+        for s in group.samples:
+            if s.sample_id in seen:
+                raise BatchError(f"sample {s.sample_id} appears twice in the batch")
+            seen.add(s.sample_id)
+            s.validate()
+            if s.error is None and (s.reward is not None or s.advantages is not None):
+                good.append(s)
+        if len(good) < len(group.samples):
+            dropped += len(group.samples) - len(good)
+        if not good or (per_group and len(good) < 2 and any(s.advantages is None for s in good)):
+            warnings.warn(f"group {group.group_id}: fewer than 2 scored samples, skipped (reward_error)", stacklevel=2)
+            continue
+        kept.append(TrainGroup(group.group_id, group.prompt_ids, good, group.metadata))
+    if not kept:
+        raise BatchError("no trainable group in the batch (every sample failed or groups too small)")
+
+    rewards = []
+    for g in kept:
+        raw = torch.tensor([float(s.reward) if s.reward is not None else 0.0 for s in g.samples])
+        if loss_cfg.mask_no_eos_with_zero:
+            raw = torch.where(torch.tensor([s.eos for s in g.samples]), raw, torch.zeros_like(raw))
+        rewards.append(process_rewards(raw, bias=dcfg.reward_bias, scale=dcfg.reward_scale, clip=dcfg.reward_clip))
+    advantages = group_advantages(
+        tcfg.advantage,
+        [r.tolist() for r in rewards],
+        [[len(s.response_ids) for s in g.samples] for g in kept],
+        [[s.advantages for s in g.samples] for g in kept],
+        [[s.sample_id for s in g.samples] for g in kept],
+    )
+
+    prepared: list[PreparedSample] = []
+    staleness: list[int] = []
+    for g, rew, advs in zip(kept, rewards, advantages):
+        for s, r, a in zip(g.samples, rew.tolist(), advs):
+            versions = torch.tensor(s.versions, dtype=torch.long)
+            mask = torch.ones(len(s.response_ids))
+            if loss_cfg.mask_too_long and s.finish_reason == "length":
+                mask.zero_()
+            if loss_cfg.correction == "mask_stale":
+                mask = mask * (versions >= policy_version).float()
+            staleness += (policy_version - versions).clamp(min=0).tolist()
+            prepared.append(PreparedSample(
+                s.sample_id, g.group_id, list(g.prompt_ids), list(s.response_ids),
+                torch.tensor(s.behaviour_logprobs, dtype=torch.float32), a, mask, versions, float(r),
+            ))
+    all_adv = torch.cat([p.advantages for p in prepared]) if prepared else torch.zeros(0)
+    all_rew = torch.tensor([p.reward for p in prepared])
+    stats = {
+        "reward_mean": float(all_rew.mean()),
+        "reward_std": float(all_rew.std()) if len(prepared) > 1 else 0.0,
+        "advantage_mean": float(all_adv.mean()) if all_adv.numel() else 0.0,
+        "advantage_std": float(all_adv.std()) if all_adv.numel() > 1 else 0.0,
+        "advantage_min": float(all_adv.min()) if all_adv.numel() else 0.0,
+        "advantage_max": float(all_adv.max()) if all_adv.numel() else 0.0,
+        "groups": float(len(kept)),
+        "samples": float(len(prepared)),
+        "samples_failed": float(dropped),
+        "response_tokens": float(sum(len(p.response_ids) for p in prepared)),
+        "loss_tokens": float(sum(p.num_loss_tokens for p in prepared)),
+        "staleness_max": float(max(staleness)) if staleness else 0.0,
+        "staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
+        "truncated_fraction": sum(1.0 for g in kept for s in g.samples if not s.eos) / len(prepared),
+        **_staleness_histogram(staleness),
+    }
+    return TrainBatch(prepared, [g.group_id for g in kept], stats)

@@ -1,0 +1,640 @@
+"""The Trainer API: ``forward_backward``, ``optim_step``, ``publish_weights``, checkpoints.
+
+The shape follows torchtitan's RL ``PolicyTrainer`` and Tinker's training client: the loop
+(``trainer/loop.py``) owns the order of calls and the learning-rate schedule; this class owns
+the DeepSpeed engine, the maths wiring and the I/O of weights and checkpoints.
+
+One train step (one train batch of prompt groups):
+
+1. :meth:`begin_step` — advantages and loss masks (``trainer/batch.py``), the split into
+   ``ppo_n_minibatches`` mini-batches (repeated for ``ppo_epochs``), packing of each mini-batch
+   into micro-batches dealt to ranks, and — when decoupled PPO takes more than one optimizer
+   step per batch — the proximal logprobs pi_prox recomputed with the weights at the start of
+   the step (with a single optimizer step pi_prox *is* the current policy, so the logprobs of
+   the training forward pass are used, detached: exactly equal and one forward pass cheaper);
+   reference logprobs when ``kl_coef > 0``.
+2. :meth:`forward_backward` per mini-batch: forward + backward over this rank's micro-batches;
+   gradients accumulate (loss weights are normalised over the whole mini-batch, so the sum
+   over micro-batches and ranks is the mini-batch loss). Early stop: for mini-batches after
+   the first, the mean importance ratio of the first micro-batch (all ranks) is checked
+   before any backward; above ``early_stop_imp_ratio`` the rest of the batch is skipped.
+3. :meth:`optim_step`: clip, AdamW step at the learning rate the loop passes. The optimizer
+   step that completes a batch advances :attr:`step`, the policy version of the weights.
+4. :meth:`publish_weights` every ``weight_sync.interval`` steps (durable first, then announce).
+
+Policy versions: the weights after ``step`` train batches have version ``step`` (version 0 is
+the initial model); staleness of a token = ``step`` at the start of the batch minus its version.
+Rank 0 fetches batches; :meth:`broadcast_groups` shares them with other ranks as JSON bytes
+(no pickling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainer.batch import PreparedSample, TrainBatch, TrainGroup, TrainSample, prepare_batch
+from trainer.losses import LossInputs, LossSettings, aggregation_weights, policy_loss, token_logprobs_and_entropy
+from trainer.packing import build_micro_batch, deal_to_ranks, pack_by_tokens, split_minibatches
+
+__all__ = ["Trainer", "MiniBatch", "StepPlan", "CheckpointError"]
+
+log = logging.getLogger("asyncrl.trainer")
+
+_SUM_KEYS = ("tokens", "clipped_tokens", "dual_clipped_tokens", "imp_weight_sum", "imp_weight_capped",
+             "ratio_sum", "behaviour_kl_sum", "entropy_sum", "ref_kl_sum", "pg_loss", "kl_loss",
+             "entropy_loss", "loss", "processed_tokens")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded (missing, incomplete, other world size)."""
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step's share of a train batch, as seen by this rank.
+
+    Attributes:
+        index: mini-batch index within the batch (0-based, over all epochs).
+        epoch: PPO epoch.
+        is_last: the last mini-batch of the batch (its optimizer step advances the version).
+        sample_indices: indices (into the batch's samples) of the whole mini-batch.
+        micro_batches: this rank's micro-batches (lists of sample indices; None = empty pass).
+        total_loss_tokens / total_loss_samples: normalisers over the whole mini-batch.
+    """
+
+    index: int
+    epoch: int
+    is_last: bool
+    sample_indices: list[int]
+    micro_batches: list[list[int] | None]
+    total_loss_tokens: float
+    total_loss_samples: float
+
+
+@dataclass
+class StepPlan:
+    """A train batch prepared for this rank: samples, mini-batches and precomputed logprobs."""
+
+    batch: TrainBatch
+    minibatches: list[MiniBatch]
+    policy_version: int
+    prox_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
+    ref_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    optimizer_steps: int = 0
+    done: bool = False
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """RL recomputes logprobs of sampled tokens: dropout would make them differ from the engine's."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
+            setattr(model.config, key, 0.0)
+
+
+class Trainer:
+    """A DeepSpeed policy trainer for one rank (construct it on every rank).
+
+    Args:
+        cfg: the resolved :class:`asyncrl.config.AsyncRLConfig`.
+        announce: ``announce(version, uri, checksum)`` called on rank 0 after weights are durable
+            (sync or async; the buffer's clock ``publish``). None: publish without announcing.
+        model: an already loaded transformers causal LM (fp32) instead of ``cfg.model.path``.
+
+    Attributes:
+        step: train batches completed = policy version of the current weights.
+        optimizer_steps: optimizer steps taken (drives the LR schedule).
+        published_version: newest published version (0 = the initial model).
+        lineage: the buffer's lineage counter recorded at the last checkpoint/recovery.
+        rank, world_size: this process's place in the data-parallel group.
+    """
+
+    def __init__(self, cfg: Any, *, announce: Callable[[int, str, str], Any] | None = None, model: Any = None):
+        from trainer.engine import build_engine, init_distributed
+
+        self.cfg = cfg
+        self.rank, self.world_size = init_distributed()
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        if model is None:
+            from asyncrl.models import load_causal_lm
+
+            model = load_causal_lm(cfg.model.path, "float32")
+        _disable_dropout(model)
+        self.model_config = model.config
+        self.model_source = getattr(model, "name_or_path", None) or str(cfg.model.path)
+        self.engine = build_engine(model, cfg)
+        self.ref_model = None
+        if cfg.trainer.loss.kl_coef > 0:
+            from asyncrl.models import load_causal_lm
+
+            self.ref_model = load_causal_lm(cfg.model.path, "float32")
+            self.ref_model.requires_grad_(False)
+        self.loss_settings = LossSettings.from_config(cfg.trainer.loss)
+        self.temperature = float(cfg.rollout.temperature)
+        self.step = 0
+        self.optimizer_steps = 0
+        self.published_version = 0
+        self.published_versions: list[int] = []
+        self.lineage = 0
+        self.announce = announce
+        run_dir = Path(cfg.run.run_dir)
+        self.weights_dir = Path(cfg.weight_sync.dir) if cfg.weight_sync.dir else run_dir / "weights"
+        self.checkpoint_dir = run_dir / "checkpoints"
+        self.http_server = None
+        if cfg.weight_sync.transport == "http" and self.rank == 0:
+            from trainer.publisher import WeightFileServer
+
+            self.http_server = WeightFileServer(self.weights_dir, cfg.rollout.host, cfg.weight_sync.http_port).start()
+        self._plan: StepPlan | None = None
+        self._pending_last = False
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._grad_norm: float | None = None
+        self._install_grad_norm_probe()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped transformers model."""
+        return self.engine.module
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps per train batch without early stop."""
+        return self.cfg.trainer.ppo_n_minibatches * self.cfg.trainer.ppo_epochs
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (the LR schedule's horizon)."""
+        return self.cfg.run.total_steps * self.steps_per_batch
+
+    def run_async(self, value: Any) -> Any:
+        """Resolve ``value`` if it is awaitable, on this trainer's own event loop (one per process)."""
+        if not inspect.isawaitable(value):
+            return value
+        if self._aio is None:
+            self._aio = asyncio.new_event_loop()
+        return self._aio.run_until_complete(value)
+
+    def _install_grad_norm_probe(self) -> None:
+        """ZeRO and bf16 optimizers report the global grad norm; plain stage 0 fp32 does not, so record it."""
+        opt = self.engine.optimizer
+        if not isinstance(opt, torch.optim.Optimizer) or hasattr(opt, "_global_grad_norm"):
+            return
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        engine = self.engine
+
+        def clip_and_record():
+            self._grad_norm = float(clip_grad_norm_(parameters=engine.module.parameters(),
+                                                    max_norm=engine.gradient_clipping(), mpu=engine.mpu))
+
+        engine.clip_fp32_gradients = clip_and_record  # DeepSpeed discards the norm it computes
+
+        def pre_hook(optimizer, args, kwargs):
+            if engine.gradient_clipping() <= 0:
+                norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+                self._grad_norm = float(torch.stack(norms).norm()) if norms else 0.0
+
+        opt.register_step_pre_hook(pre_hook)
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def broadcast_groups(self, groups: list[Any] | None, stop: bool = False) -> tuple[list[TrainGroup] | None, bool]:
+        """Share rank 0's batch (and its stop flag) with every rank, as JSON bytes.
+
+        Args:
+            groups: rank 0's prompt groups (ignored on other ranks); None when there is no batch.
+            stop: rank 0's request to stop after this batch (SIGTERM).
+
+        Returns:
+            ``(groups as TrainGroup or None, stop)`` on every rank.
+        """
+        import torch.distributed as dist
+
+        payload = None
+        if self.rank == 0:
+            gs = None if groups is None else [TrainGroup.from_record(g) for g in groups]
+            payload = json.dumps({"stop": bool(stop), "groups": None if gs is None else [
+                {"group_id": g.group_id, "prompt_ids": g.prompt_ids, "metadata": g.metadata,
+                 "samples": [s.__dict__ for s in g.samples]} for g in gs]}, default=str).encode()
+        if self.world_size > 1:
+            size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.long)
+            dist.broadcast(size, 0)
+            buf = torch.empty(int(size), dtype=torch.uint8)
+            if self.rank == 0:
+                buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.broadcast(buf, 0)
+            payload = bytes(buf.numpy())
+        data = json.loads(payload)
+        if data["groups"] is None:
+            return None, data["stop"]
+        out = []
+        for g in data["groups"]:
+            samples = [TrainSample(**s) for s in g["samples"]]
+            out.append(TrainGroup(g["group_id"], g["prompt_ids"], samples, g["metadata"]))
+        return out, data["stop"]
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _forward(self, module: Any, mb_samples: list[PreparedSample], indices: list[int] | None, grad: bool,
+                 with_entropy: bool):
+        prompts = [s.prompt_ids for s in mb_samples]
+        responses = [s.response_ids for s in mb_samples]
+        local = None if indices is None else list(range(len(indices)))
+        packed = build_micro_batch(prompts, responses, local)
+        with torch.set_grad_enabled(grad):
+            out = module(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                         logits_to_keep=packed.logits_mask)
+            logits = out.logits.reshape(-1, out.logits.shape[-1])
+            logprobs, entropy = token_logprobs_and_entropy(logits, packed.targets, self.temperature, with_entropy)
+        return packed, logits, logprobs, entropy
+
+    @torch.no_grad()
+    def _logprobs_for(self, module: Any, plan_samples: list[PreparedSample], indices: list[int] | None) -> dict[int, torch.Tensor]:
+        samples = [plan_samples[i] for i in indices] if indices is not None else []
+        packed, _, logprobs, _ = self._forward(module, samples, indices, grad=False, with_entropy=False)
+        out = {}
+        for local, start, end in packed.token_offsets:
+            out[indices[local]] = logprobs[start:end].clone()
+        return out
+
+    # ------------------------------------------------------------------ the step
+
+    def begin_step(self, groups: list[Any]) -> StepPlan:
+        """Prepare a train batch: advantages, masks, mini-batches, micro-batches, pi_prox / pi_ref.
+
+        Args:
+            groups: the batch's prompt groups (the same list, in the same order, on every rank).
+
+        Returns:
+            the :class:`StepPlan`; pass its ``minibatches`` to :meth:`forward_backward` in order.
+
+        Raises:
+            trainer.batch.BatchError / trainer.advantages.AdvantageError: unusable input.
+            RuntimeError: the previous step was not finished.
+        """
+        if self._plan is not None and not self._plan.done:
+            raise RuntimeError("begin_step called before the previous step finished (optim_step on its last mini-batch)")
+        t = self.cfg.trainer
+        batch = prepare_batch(groups, self.cfg, self.step)
+        n = len(batch.samples)
+        ranges = split_minibatches(n, min(t.ppo_n_minibatches, n))
+        minibatches: list[MiniBatch] = []
+        per_epoch = []
+        for r in ranges:
+            idx = list(r)
+            lengths = [batch.samples[i].num_tokens for i in idx]
+            micro = [[idx[j] for j in mb] for mb in pack_by_tokens(lengths, t.micro_batch_tokens)]
+            mine = deal_to_ranks(micro, self.world_size)[self.rank]
+            tokens = float(sum(batch.samples[i].num_loss_tokens for i in idx))
+            seqs = float(sum(1 for i in idx if batch.samples[i].num_loss_tokens > 0))
+            per_epoch.append((idx, mine, tokens, seqs))
+        for epoch in range(t.ppo_epochs):
+            for idx, mine, tokens, seqs in per_epoch:
+                minibatches.append(MiniBatch(len(minibatches), epoch, False, idx, mine, tokens, seqs))
+        minibatches[-1].is_last = True
+        plan = StepPlan(batch, minibatches, self.step, metrics=dict(batch.stats))
+        need_prox = self.loss_settings.correction == "decoupled" and len(minibatches) > 1
+        if need_prox or self.ref_model is not None:
+            was_training = self.module.training
+            self.module.eval()
+            for idx, mine, _, _ in per_epoch:
+                for indices in mine:
+                    if need_prox:
+                        plan.prox_logprobs.update(self._logprobs_for(self.engine, batch.samples, indices))
+                    if self.ref_model is not None:
+                        plan.ref_logprobs.update(self._logprobs_for(self.ref_model, batch.samples, indices))
+            self.module.train(was_training)
+        self._plan = plan
+        return plan
+
+    def forward_backward(self, mb: MiniBatch) -> dict[str, float]:
+        """Forward and backward over this rank's micro-batches of one mini-batch.
+
+        Returns:
+            metrics of the whole mini-batch (all ranks): ``loss``, ``pg_loss``, ``kl_loss``,
+            ``entropy_loss``, ``clip_fraction``, ``dual_clip_fraction``, ``importance_weight_mean``,
+            ``importance_weight_max``, ``importance_weight_capped_fraction``, ``ratio_mean``,
+            ``behaviour_kl``, ``entropy``, ``ref_kl``, ``loss_tokens``, ``processed_tokens``,
+            ``micro_batches``, ``early_stopped`` (1.0 when the batch was cut short here: no
+            gradient was accumulated, do not call :meth:`optim_step`).
+
+        Raises:
+            RuntimeError: no step begun.
+        """
+        plan = self._plan
+        if plan is None or plan.done:
+            raise RuntimeError("forward_backward needs begin_step first")
+        s = self.loss_settings
+        samples = plan.batch.samples
+        single_step = len(plan.minibatches) == 1
+        sums = dict.fromkeys(_SUM_KEYS, 0.0)
+        imp_max = 0.0
+        self.module.train()
+        check_early = self.cfg.trainer.early_stop_imp_ratio is not None and mb.index > 0
+        for j, indices in enumerate(mb.micro_batches):
+            mb_samples = [samples[i] for i in indices] if indices is not None else []
+            packed, logits, logprobs, entropy = self._forward(self.engine, mb_samples, indices, grad=True,
+                                                              with_entropy=s.entropy_coef > 0)
+            if entropy is None:
+                with torch.no_grad():
+                    _, entropy = token_logprobs_and_entropy(logits.detach(), packed.targets, self.temperature, True)
+            behav, adv, mask, prox, ref, owner = [], [], [], [], [], []
+            for local, start, end in packed.token_offsets:
+                i = indices[local]
+                smp = samples[i]
+                behav.append(smp.behaviour_logprobs)
+                adv.append(smp.advantages)
+                mask.append(smp.loss_mask)
+                owner.append(torch.full((end - start,), i, dtype=torch.long))
+                if s.correction == "decoupled" and not single_step:
+                    prox.append(plan.prox_logprobs[i])
+                if self.ref_model is not None:
+                    ref.append(plan.ref_logprobs[i])
+            cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0))
+            sample_index = torch.cat(owner) if owner else torch.zeros(0, dtype=torch.long)
+            weight = aggregation_weights(cat(mask), sample_index, self.cfg.trainer.loss.aggregation,
+                                         mb.total_loss_tokens, mb.total_loss_samples)
+            prox_t = None
+            if s.correction == "decoupled":
+                prox_t = logprobs.detach() if single_step else cat(prox)
+            inputs = LossInputs(logprobs, cat(behav), cat(adv), weight, prox_t,
+                                cat(ref) if self.ref_model is not None else None, entropy)
+            loss, part = policy_loss(inputs, s)
+            if j == 0 and check_early:
+                ratio_sum, tokens = self._all_reduce([part["ratio_sum"], part["tokens"]])
+                if tokens > 0 and ratio_sum / tokens > self.cfg.trainer.early_stop_imp_ratio:
+                    del loss, logits, logprobs
+                    self.step += 1
+                    plan.done = True
+                    plan.metrics["early_stopped_at_minibatch"] = float(mb.index)
+                    return {"early_stopped": 1.0, "ratio_mean": ratio_sum / tokens}
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            for k in _SUM_KEYS:
+                if k in part:
+                    sums[k] += part[k]
+            sums["loss"] += float(loss.detach())
+            sums["processed_tokens"] += packed.num_tokens if indices is not None else 0
+            imp_max = max(imp_max, part["imp_weight_max"])
+        total = dict(zip(_SUM_KEYS, self._all_reduce([sums[k] for k in _SUM_KEYS])))
+        imp_max = self._all_reduce([imp_max], op="max")[0]
+        tok = max(total["tokens"], 1.0)
+        metrics = {
+            "loss": total["loss"], "pg_loss": total["pg_loss"], "kl_loss": total["kl_loss"],
+            "entropy_loss": total["entropy_loss"],
+            "clip_fraction": total["clipped_tokens"] / tok,
+            "dual_clip_fraction": total["dual_clipped_tokens"] / tok,
+            "importance_weight_mean": total["imp_weight_sum"] / tok,
+            "importance_weight_max": imp_max,
+            "importance_weight_capped_fraction": total["imp_weight_capped"] / tok,
+            "ratio_mean": total["ratio_sum"] / tok,
+            "behaviour_kl": total["behaviour_kl_sum"] / tok,
+            "entropy": total["entropy_sum"] / tok,
+            "ref_kl": total["ref_kl_sum"] / tok,
+            "loss_tokens": total["tokens"],
+            "processed_tokens": total["processed_tokens"],
+            "micro_batches": float(len(mb.micro_batches)),
+            "early_stopped": 0.0,
+        }
+        self._pending_last = mb.is_last
+        return metrics
+
+    def optim_step(self, lr: float | None = None) -> dict[str, float]:
+        """Apply the accumulated gradients (clip, AdamW) and zero them.
+
+        Args:
+            lr: learning rate for this step (the loop's schedule); None uses
+                :func:`trainer.engine.lr_at` of :attr:`optimizer_steps`.
+
+        Returns:
+            ``grad_norm`` (before clipping), ``lr``, ``optimizer_step``, ``step``.
+        """
+        from trainer.engine import lr_at
+
+        if lr is None:
+            lr = lr_at(self.optimizer_steps, self.cfg.trainer.optimizer, self.total_optimizer_steps)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self._grad_norm = None
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = self._grad_norm
+        if isinstance(norm, torch.Tensor):
+            norm = float(norm)
+        self.optimizer_steps += 1
+        if self._plan is not None:
+            self._plan.optimizer_steps += 1
+        if self._pending_last:
+            self.step += 1
+            self._pending_last = False
+            if self._plan is not None:
+                self._plan.done = True
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": float(lr),
+                "optimizer_step": float(self.optimizer_steps), "step": float(self.step)}
+
+    # ------------------------------------------------------------------ weights
+
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """Full model weights on rank 0 (gathered under ZeRO-3), cast to ``dtype``; None on other ranks.
+
+        Tied weights are stored once (``lm_head.weight`` dropped when embeddings are tied).
+        Collective: call on every rank.
+        """
+        dtype = dtype or getattr(torch, self.cfg.model.dtype)
+        module = self.module
+
+        def collect():
+            if self.rank != 0:
+                return None
+            return {k: v.detach().to(dtype=dtype, copy=True).cpu() for k, v in module.state_dict().items()}
+
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                sd = collect()
+        else:
+            sd = collect()
+        if sd is not None and getattr(self.model_config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def publish_weights(self) -> dict[str, float]:
+        """Write the current weights as version :attr:`step` (durable), then announce it (rank 0).
+
+        Collective: call on every rank. Publishing a version already published is a no-op.
+
+        Returns:
+            ``version``, ``publish_seconds``, ``publish_bytes`` (rank 0; other ranks get ``version``).
+
+        Raises:
+            trainer.publisher.PublishError: the version directory exists or cannot be written.
+        """
+        from trainer.publisher import write_weights
+
+        version = self.step
+        if version in self.published_versions:
+            return {"version": float(version)}
+        start = time.perf_counter()
+        sd = self.full_state_dict()
+        out = {"version": float(version)}
+        if self.rank == 0:
+            config = self.model_config.to_dict()
+            config["dtype"] = self.cfg.model.dtype
+            config["torch_dtype"] = self.cfg.model.dtype
+            config["use_cache"] = True
+            gen = None
+            src = Path(self.model_source) / "generation_config.json"
+            if src.is_file():
+                gen = json.loads(src.read_text())
+            path, checksum = write_weights(self.weights_dir, version, sd, config, generation_config_json=gen,
+                                           keep_last=self.cfg.weight_sync.keep_last)
+            uri = self.http_server.uri_for(version) if self.http_server is not None else str(path.resolve())
+            if self.announce is not None:
+                self.run_async(self.announce(version, uri, checksum))
+            out.update({"publish_seconds": time.perf_counter() - start,
+                        "publish_bytes": float((path / "model.safetensors").stat().st_size),
+                        "uri": uri, "checksum": checksum})
+        self._barrier()
+        self.published_version = version
+        self.published_versions.append(version)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, extra_state: dict[str, Any] | None = None) -> Path:
+        """Save model, optimizer, step, versions, lineage, RNG and ``extra_state`` (dataset cursor).
+
+        Written by DeepSpeed into ``<run_dir>/checkpoints/step<step:08d>/``, plus the resolved
+        config (``config.yaml``); ``latest`` is replaced atomically only after every rank
+        finished, and checkpoints beyond ``keep_checkpoints`` are removed. Collective.
+
+        Returns:
+            the checkpoint directory.
+        """
+        from asyncrl.config import dump_config
+
+        tag = f"step{self.step:08d}"
+        client_state = {
+            "asyncrl": {
+                "step": self.step, "optimizer_steps": self.optimizer_steps,
+                "published_version": self.published_version, "published_versions": self.published_versions[-64:],
+                "lineage": self.lineage, "world_size": self.world_size,
+                "extra_state": json.dumps(extra_state or {}),
+            },
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+        self._barrier()
+        path = self.checkpoint_dir / tag
+        if self.rank == 0:
+            dump_config(self.cfg, path / "config.yaml")
+            meta = {"tag": tag, "step": self.step, "policy_version": self.published_version,
+                    "lineage": self.lineage, "extra_state": extra_state or {}}
+            (path / "asyncrl.json").write_text(json.dumps(meta, indent=2))
+            tmp = self.checkpoint_dir / "latest.tmp"
+            with open(tmp, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.checkpoint_dir / "latest")
+            tags = sorted(p.name for p in self.checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
+            for old in tags[:-self.cfg.trainer.keep_checkpoints]:
+                if old != tag:
+                    shutil.rmtree(self.checkpoint_dir / old, ignore_errors=True)
+        self._barrier()
+        return path
+
+    def load_checkpoint(self, tag: str | None = None) -> dict[str, Any] | None:
+        """Restore the newest checkpoint (or ``tag``); returns its ``extra_state``, or None if none exists.
+
+        Collective. The LR schedule needs no state of its own: it is a function of the restored
+        :attr:`optimizer_steps`.
+
+        Raises:
+            CheckpointError: ``tag`` missing, files incomplete, or saved with another world size
+                under ZeRO (DeepSpeed shards the optimizer per rank).
+        """
+        latest = self.checkpoint_dir / "latest"
+        if tag is None:
+            if not latest.is_file():
+                return None
+            tag = latest.read_text().strip()
+        if not (self.checkpoint_dir / tag).is_dir():
+            raise CheckpointError(f"no checkpoint {tag} in {self.checkpoint_dir}")
+        try:
+            path, client = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=tag, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=False)
+        except (FileNotFoundError, RuntimeError, AssertionError, ValueError) as exc:
+            raise CheckpointError(f"cannot load checkpoint {self.checkpoint_dir / tag}: {exc}") from exc
+        if path is None or not client or "asyncrl" not in client:
+            raise CheckpointError(f"checkpoint {self.checkpoint_dir / tag} is incomplete (no asyncrl client state)")
+        state = client["asyncrl"]
+        if state["world_size"] != self.world_size and self.engine.zero_optimization_stage() > 0:
+            raise CheckpointError(
+                f"checkpoint {tag} was saved by {state['world_size']} ranks under ZeRO; resume with the same world size")
+        self.step = int(state["step"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.published_version = int(state["published_version"])
+        self.published_versions = list(state["published_versions"])
+        self.lineage = int(state["lineage"])
+        rng = client.get("rng") or {}
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "python" in rng:
+            random.setstate(rng["python"])
+        self._plan = None
+        self._pending_last = False
+        if self.rank == 0:
+            # Versions published after this checkpoint belong to the abandoned lineage; they are
+            # published again (with different weights) as training continues.
+            from trainer.publisher import list_versions, version_dir_name
+
+            for v in list_versions(self.weights_dir):
+                if v > self.published_version:
+                    shutil.rmtree(self.weights_dir / version_dir_name(v), ignore_errors=True)
+        self.published_versions = [v for v in self.published_versions if v <= self.published_version]
+        self._barrier()
+        return json.loads(state["extra_state"])
+
+    def close(self) -> None:
+        """Stop the weight file server and the private event loop."""
+        if self.http_server is not None:
+            self.http_server.stop()
+            self.http_server = None
+        if self._aio is not None:
+            self._aio.close()
+            self._aio = None
