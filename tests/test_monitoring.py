@@ -320,7 +320,11 @@ def test_kubernetes_scrape_config(tmp_path):
     src = MON / "prometheus" / "prometheus-kubernetes.yml"
     cfg = yaml.safe_load(src.read_text())
     job = cfg["scrape_configs"][0]
-    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"own_namespace": True}}]
+    drop = next(r for r in job["relabel_configs"] if r["action"] == "drop" and "trainer" in r["regex"])
+    sep = ";"
+    assert re.fullmatch(drop["regex"], f"trainer{sep}1") and re.fullmatch(drop["regex"], f"trainer{sep}12")
+    assert not re.fullmatch(drop["regex"], f"trainer{sep}0") and not re.fullmatch(drop["regex"], f"rollout{sep}1")
     relabel = {(tuple(r.get("source_labels", [])), r.get("target_label")) for r in job["relabel_configs"]}
     assert (("__meta_kubernetes_pod_label_app_kubernetes_io_instance",), "run") in relabel
     assert (("__meta_kubernetes_pod_label_app_kubernetes_io_component",), "component") in relabel
