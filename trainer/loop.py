@@ -1,0 +1,267 @@
+"""The training loop: named, timed phases around the :class:`trainer.trainer.Trainer` API.
+
+    wait_batch -> forward_backward (per mini-batch) -> optim_step -> publish_weights (every
+    weight_sync.interval steps) -> checkpoint (every checkpoint_interval steps)
+
+Rank 0 asks the batch source for the next batch and broadcasts it (with a stop flag) to the
+other ranks; every rank runs the same phases. The learning-rate schedule lives here
+(:func:`trainer.engine.lr_at` of the optimizer step). Each step's metrics (losses, ratios,
+advantage and reward stats, staleness histogram, tokens, grad norm, lr and the seconds of each
+phase) go to a callback, to ``<run_dir>/metrics/trainer.jsonl`` and to Prometheus
+(:class:`asyncrl.metrics.TrainerMetrics`) on rank 0.
+
+Batch sources (rank 0 only) satisfy :class:`trainer.batch.BatchSource`:
+``next_batch(step)`` (plain or async; ``step`` is the 1-based number of the step about to be
+trained) returns a list of prompt groups, an object with ``.groups`` (``asyncrl.types.Batch``),
+or None when exhausted; ``acknowledge(step)`` after the step; optional ``commit(step)`` after
+a checkpoint and ``state_dict()`` (dataset cursor, stored in checkpoints).
+
+SIGTERM / SIGINT (:func:`install_signal_handlers`): the flag is read between steps; the
+current step is finished, a checkpoint is written, and the loop returns normally (exit 0).
+Determinism: micro-batch order depends only on the batch; seeds come from ``run.seed``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PhaseTimer", "LoopResult", "train_loop", "install_signal_handlers", "ListBatchSource", "FileBatchSource"]
+
+
+class PhaseTimer:
+    """Seconds spent in each named phase of the current step."""
+
+    def __init__(self, metrics: Any = None):
+        self.seconds: dict[str, float] = {}
+        self._metrics = metrics
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time a phase (also into Prometheus for the four ARCHITECTURE §5 phases)."""
+        ctx = None
+        if self._metrics is not None and name in ("wait_batch", "forward_backward", "optim_step", "publish_weights"):
+            ctx = self._metrics.phase(name)
+            ctx.__enter__()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+
+
+@dataclass
+class LoopResult:
+    """How the loop ended: steps done, why it stopped, and every step's metrics (rank 0)."""
+
+    steps: int
+    reason: str
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class ListBatchSource:
+    """A batch source over an in-memory list of batches (tests, benchmarks, replaying a file).
+
+    ``acknowledged`` records ``(step, group ids)``; the cursor is the index of the next batch.
+    """
+
+    def __init__(self, batches: list[list[Any]]):
+        self.batches = list(batches)
+        self.cursor = 0
+        self.acknowledged: list[tuple[int, list[str]]] = []
+        self.committed: list[int] = []
+        self._last: list[Any] | None = None
+
+    def next_batch(self, step: int) -> list[Any] | None:
+        if self.cursor >= len(self.batches):
+            return None
+        self._last = self.batches[self.cursor]
+        self.cursor += 1
+        return self._last
+
+    def acknowledge(self, step: int) -> None:
+        from trainer.batch import TrainGroup
+
+        self.acknowledged.append((step, [TrainGroup.from_record(g).group_id for g in self._last or []]))
+
+    def commit(self, step: int) -> None:
+        self.committed.append(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor = int(state.get("cursor", 0))
+
+
+class FileBatchSource(ListBatchSource):
+    """Batches from a JSONL file: one train batch per line, a list of groups
+    (``{"group_id", "prompt_ids", "samples": [{"sample_id", "index", "response_ids",
+    "behaviour_logprobs", "versions", "finish_reason", "reward"}]}``).
+
+    Raises:
+        ValueError: a line that is not a JSON list (the message names the line).
+    """
+
+    def __init__(self, path: Path | str):
+        batches = []
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            if not isinstance(data, list):
+                raise ValueError(f"{path}:{n}: a batch must be a JSON list of prompt groups")
+            batches.append(data)
+        super().__init__(batches)
+
+
+def install_signal_handlers(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop`` (the loop finishes its step, checkpoints, returns)."""
+
+    def handler(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _groups_of(batch: Any) -> list[Any] | None:
+    if batch is None:
+        return None
+    groups = getattr(batch, "groups", batch)
+    return list(groups)
+
+
+def train_loop(
+    trainer: Any,
+    source: Any,
+    *,
+    stop: threading.Event | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+    metrics: Any = None,
+    max_steps: int | None = None,
+) -> LoopResult:
+    """Run train steps until ``run.total_steps`` (or ``max_steps`` more), the source ends, or ``stop``.
+
+    Args:
+        trainer: a :class:`trainer.trainer.Trainer` (every rank).
+        source: the batch source (used on rank 0 only; may be None elsewhere).
+        stop: set to stop after the current step (checkpoint first).
+        on_step: called on rank 0 with each step's metrics.
+        metrics: an :class:`asyncrl.metrics.TrainerMetrics` (rank 0) or None.
+        max_steps: stop after this many steps of this call.
+
+    Returns:
+        the :class:`LoopResult` (``reason``: ``total_steps``, ``max_steps``, ``source_exhausted``, ``stopped``).
+    """
+    from trainer.engine import lr_at
+
+    cfg = trainer.cfg
+    stop = stop or threading.Event()
+    history: list[dict[str, float]] = []
+    jsonl = None
+    if trainer.rank == 0 and cfg.monitoring.jsonl:
+        path = Path(cfg.run.run_dir) / "metrics" / "trainer.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        jsonl = open(path, "a")
+    done_here = 0
+    reason = "total_steps"
+    try:
+        while trainer.step < cfg.run.total_steps:
+            if max_steps is not None and done_here >= max_steps:
+                reason = "max_steps"
+                break
+            timer = PhaseTimer(metrics)
+            step_no = trainer.step + 1
+            with timer.phase("wait_batch"):
+                groups = None
+                if trainer.rank == 0 and not stop.is_set():
+                    groups = _groups_of(trainer.run_async(source.next_batch(step_no)))
+                groups, stopping = trainer.broadcast_groups(groups, stop=stop.is_set())
+            if stopping:
+                reason = "stopped"
+                break
+            if groups is None:
+                reason = "source_exhausted"
+                break
+            step_metrics: dict[str, float] = {}
+            with timer.phase("forward_backward"):
+                plan = trainer.begin_step(groups)
+            for mb in plan.minibatches:
+                with timer.phase("forward_backward"):
+                    fb = trainer.forward_backward(mb)
+                if fb["early_stopped"]:
+                    step_metrics["early_stopped"] = 1.0
+                    break
+                with timer.phase("optim_step"):
+                    om = trainer.optim_step(lr_at(trainer.optimizer_steps, cfg.trainer.optimizer, trainer.total_optimizer_steps))
+                for k, v in fb.items():
+                    if k in ("loss_tokens", "processed_tokens", "micro_batches"):
+                        step_metrics[k] = step_metrics.get(k, 0.0) + v
+                    else:
+                        step_metrics[k] = v
+                step_metrics.update(om)
+            if trainer.rank == 0:
+                trainer.run_async(source.acknowledge(trainer.step))
+            if trainer.step % cfg.weight_sync.interval == 0:
+                with timer.phase("publish_weights"):
+                    pub = trainer.publish_weights()
+                step_metrics.update({k: v for k, v in pub.items() if isinstance(v, float)})
+            if trainer.step % cfg.trainer.checkpoint_interval == 0 or stop.is_set() or trainer.step >= cfg.run.total_steps:
+                with timer.phase("checkpoint"):
+                    _checkpoint(trainer, source)
+            done_here += 1
+            if trainer.rank == 0:
+                record = {"step": float(trainer.step), **plan.metrics, **step_metrics,
+                          **{f"{k}_seconds": v for k, v in timer.seconds.items()}}
+                history.append(record)
+                if jsonl is not None:
+                    jsonl.write(json.dumps(record) + "\n")
+                    jsonl.flush()
+                if metrics is not None:
+                    _export(metrics, record, trainer)
+                if on_step is not None:
+                    on_step(record)
+        if reason == "stopped":
+            _checkpoint(trainer, source)
+    finally:
+        if jsonl is not None:
+            jsonl.close()
+    return LoopResult(done_here, reason, history)
+
+
+def _checkpoint(trainer: Any, source: Any) -> None:
+    state = None
+    if trainer.rank == 0 and source is not None and hasattr(source, "state_dict"):
+        state = trainer.run_async(source.state_dict())
+    trainer.save_checkpoint(state)
+    if trainer.rank == 0 and source is not None and hasattr(source, "commit"):
+        trainer.run_async(source.commit(trainer.step))
+
+
+def _export(metrics: Any, r: dict[str, float], trainer: Any) -> None:
+    stats = {k: r[k] for k in ("loss", "reward_mean", "importance_weight_mean", "importance_weight_max",
+                               "behaviour_kl", "entropy", "grad_norm", "staleness_max") if k in r}
+    if "clip_fraction" in r:
+        stats["clip_ratio"] = r["clip_fraction"]
+    if "importance_weight_capped_fraction" in r:
+        stats["importance_weight_capped_ratio"] = r["importance_weight_capped_fraction"]
+    if "lr" in r:
+        stats["learning_rate"] = r["lr"]
+    metrics.step_done(int(r["step"]), int(r.get("processed_tokens", 0)), int(r.get("response_tokens", 0)),
+                      int(r.get("samples", 0)), stats)
+    if "publish_seconds" in r:
+        metrics.published(int(r["version"]), trainer.cfg.weight_sync.transport, r["publish_seconds"],
+                          int(r.get("publish_bytes", 0)), trainer.lineage)
