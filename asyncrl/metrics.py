@@ -203,6 +203,7 @@ class IdleTracker(Collector):
     """
 
     def __init__(self, registry: CollectorRegistry, subsystem: str, what: str, clock: Callable[[], float] = time.monotonic):
+        """``what`` says what idle means for this role (it goes into the help text)."""
         self._name = f"asyncrl_{subsystem}_idle"
         self._what = what
         self._clock = clock
@@ -250,10 +251,10 @@ class IdleTracker(Collector):
 
     def collect(self):
         c = CounterMetricFamily(
-            self._name + "_seconds", f"Seconds the {self._what} spent idle (rate() = idle ratio over a window)."
+            self._name + "_seconds", f"Seconds spent idle ({self._what}); rate() of it is the idle ratio over a window."
         )
         c.add_metric([], self.idle_seconds())
-        g = GaugeMetricFamily(self._name + "_ratio", f"Idle share (0-1) of the {self._what}'s lifetime.")
+        g = GaugeMetricFamily(self._name + "_ratio", f"Idle share (0-1) since the process started ({self._what}).")
         g.add_metric([], self.idle_ratio())
         return [c, g]
 
@@ -348,7 +349,7 @@ class RolloutMetrics:
             buckets=WEIGHT_SYNC_BUCKETS_SECONDS,
             registry=r,
         )
-        self.idle = IdleTracker(r, "rollout", "rollout worker (no engine request in flight)")
+        self.idle = IdleTracker(r, "rollout", "rollout worker: no engine request in flight")
 
     def request_finished(self, finish_reason: str, duration_seconds: float, generated_tokens: int, prompt_tokens: int = 0) -> None:
         """Record one finished engine request (segment).
@@ -598,7 +599,7 @@ class TrainerMetrics:
         self.batch_staleness_max = Gauge(
             "asyncrl_trainer_batch_staleness_max", "Largest sample staleness (policy versions) in the last train batch.", registry=r
         )
-        self.idle = IdleTracker(r, "trainer", "trainer (waiting for a batch)")
+        self.idle = IdleTracker(r, "trainer", "trainer: waiting for a batch")
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

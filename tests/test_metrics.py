@@ -307,3 +307,24 @@ def test_start_metrics_server_serves_and_reports_port_conflicts():
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     M.stop_metrics_server(port)  # second stop is a no-op
+
+
+def test_docs_list_every_metric_and_nothing_else():
+    """docs/metrics.md names every metric with its type; it names no metric that does not exist."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    exposed = set()
+    for role in M.ROLES:
+        reg, _ = drive_role(role)
+        for fam in text_string_to_metric_families(M.exposition(reg)[0].decode()):
+            name = fam.name + ("_total" if fam.type == "counter" else "")
+            exposed.add(name)
+            row = re.search(rf"^\| `{re.escape(name)}` \| (\w+) \|", doc, re.M)
+            assert row, f"docs/metrics.md has no table row for {name}"
+            assert row.group(1) == fam.type, f"{name}: documented as {row.group(1)}, is {fam.type}"
+    documented = set(re.findall(r"^\| `(asyncrl_[a-z0-9_]+)`", doc, re.M))
+    assert documented <= exposed, f"documented but not defined: {sorted(documented - exposed)}"
+    for name in M.SGLANG_ENGINE_METRICS:
+        assert f"`{name}`" in doc, name
