@@ -201,6 +201,8 @@ class ReplayBuffer:
             stored = await client.get(prefix + "schema")
             if stored is None:
                 async for _key in client.scan_iter(match=prefix.replace("{", "\\{").replace("}", "\\}") + "*", count=100):
+                    if await client.get(prefix + "schema") is not None:
+                        break  # another role created the run concurrently
                     raise SchemaMismatch(
                         f"keyspace {prefix} holds keys but no schema key: foreign data; "
                         f"use another run name or `asyncrl buffer drain --run {run}`"
@@ -407,15 +409,35 @@ class ReplayBuffer:
         return int(await self._run("renew", *args))
 
     # ------------------------------------------------------------------ trainer
-    async def next_batch(self, step: int) -> Batch | None:
+    async def next_batch(self, step: int, min_groups: int | None = None) -> Batch | None:
         """The train batch for ``step`` (B groups, oldest first), or None when fewer are READY.
 
         An open batch (handed out, not acknowledged) is returned again with ``redelivered=True``.
+        ``min_groups`` (default B) lets the trainer take a smaller last batch at the end of a
+        finite dataset (see :meth:`only_ready_left`).
         """
-        kind, ref = await self._run("next_batch", int(step))
+        m = self.settings.train_batch_groups if min_groups is None else int(min_groups)
+        if not 1 <= m <= self.settings.train_batch_groups:
+            raise BadRequest(f"min_groups must be in [1, B={self.settings.train_batch_groups}], got {min_groups}")
+        kind, ref = await self._run("next_batch", int(step), m)
         if _s(kind) == "none":
             return None
         return await self._load_batch(_s(ref), redelivered=_s(kind) == "open")
+
+    async def only_ready_left(self) -> bool:
+        """True when nothing is pending or generating: every group in flight is READY.
+
+        At the end of a finite dataset the last READY groups may be fewer than B; the trainer
+        then calls ``next_batch(step, min_groups=1)``.
+        """
+        p = self.prefix
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.llen(p + "pending")
+            pipe.zcard(p + "inflight")
+            pipe.zcard(p + "ready")
+            pipe.llen(p + "replay")
+            pending, inflight, ready, replay = await pipe.execute()
+        return pending == 0 and inflight == ready + replay
 
     async def wait_batch(self, step: int, timeout_seconds: float | None = None, poll_seconds: float = 0.05) -> Batch:
         """Poll :meth:`next_batch` until a batch forms.

@@ -608,3 +608,17 @@ def test_cli_is_registered(redis_url):
     out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "buffer", "stats", "--redis_url", redis_url,
                           "--run", "none"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "no buffer yet" in out.stderr
+
+
+async def test_smaller_last_batch_at_end_of_dataset(redis_url):
+    buf = await open_buf(redis_url, rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=1)
+    await feed(buf, 1)
+    assert not await buf.only_ready_left()  # g0 is generating
+    await finish_all(buf)
+    assert await buf.only_ready_left()
+    assert await buf.next_batch(1) is None
+    with pytest.raises(BadRequest):
+        await buf.next_batch(1, min_groups=3)
+    b = await buf.next_batch(1, min_groups=1)
+    assert b.group_ids == ["g0"]
+    await buf.close()

@@ -1,7 +1,9 @@
 -- next_batch: hand out the open batch again, or form one of B groups: replayed groups (recovery)
 -- in their original order first, then READY groups oldest first; each checked for staleness.
--- ARGV[12] = trainer step. Returns {'open'|'new', batch id} or {'none', groups available}.
+-- ARGV[12] = trainer step, ARGV[13] = fewest groups to form a batch (B, or fewer at the end of
+-- the dataset). Returns {'open'|'new', batch id} or {'none', groups available}.
 local step = ARGV[12]
+local min_groups = tonumber(ARGV[13])
 local open = redis.call('GET', k('batch:open'))
 if open then
   redis.call('HINCRBY', k('batch:' .. open), 'deliveries', 1)
@@ -42,7 +44,7 @@ if #chosen < B then
     consider(gid)
   end
 end
-if #chosen < B then
+if #chosen < min_groups or #chosen == 0 then
   admit()
   return {'none', #chosen}
 end

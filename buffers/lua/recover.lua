@@ -45,15 +45,18 @@ if version < cur then
   redis.call('PUBLISH', ARGV[16], cjson.encode({version = version, uri = uri, checksum = checksum, lineage = lin, published_ms = NOW}))
   stat('rewinds')
 end
--- 3. revoke every lease (claims of the old lineage are fenced)
-local leased = redis.call('ZRANGE', k('leases'), 0, -1)
-for _, sid in ipairs(leased) do release_running(sid) end
-stat('revoked_leases', #leased)
--- 4. budget windows restart; parked samples become resumable under the new lineage
-local parked = redis.call('ZRANGE', k('parked'), 0, -1)
-for _, sid in ipairs(parked) do
-  redis.call('ZREM', k('parked'), sid)
-  make_resumable(sid, tonumber(redis.call('HGET', skey(sid), 'minv')))
+-- 3. a new lineage: revoke every lease (claims of the old lineage are fenced), and parked
+-- samples become resumable (their budget windows restart)
+local leased = {}
+if version < cur then
+  leased = redis.call('ZRANGE', k('leases'), 0, -1)
+  for _, sid in ipairs(leased) do release_running(sid) end
+  stat('revoked_leases', #leased)
+  local parked = redis.call('ZRANGE', k('parked'), 0, -1)
+  for _, sid in ipairs(parked) do
+    redis.call('ZREM', k('parked'), sid)
+    make_resumable(sid, tonumber(redis.call('HGET', skey(sid), 'minv')))
+  end
 end
 -- 5. stale policy for samples with tokens of abandoned versions
 local restarted, dropped = 0, 0
