@@ -72,7 +72,7 @@ class RunConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = "smollm2-135m-instruct"
-    """A model prepared by ``asyncrl models prepare`` (by name), or any local Hugging Face directory."""
+    """A model prepared by ``asyncrl models prepare`` (by name), ``tiny`` (the tiny random test model, built on first use), or any local Hugging Face directory (docs/models.md)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the rollout engine's weights (fp32 on CPU) and of published weights."""
     max_context_len: int | None = Field(None, ge=16)

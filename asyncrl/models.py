@@ -126,7 +126,7 @@ _TINY_ARCH: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 #: bump when the tiny model's recipe changes, so cached copies are rebuilt
-_TINY_FORMAT_VERSION = 2
+_TINY_FORMAT_VERSION = 3
 
 
 def _tiny_marker(seed: int) -> dict[str, Any]:
@@ -190,9 +190,17 @@ def _write_tiny_model(tmp: Path, seed: int) -> None:
         **_TINY_ARCH,
     )
     config.dtype = "float32"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    # Re-initialise every weight from a private generator: independent of the global torch RNG
+    # (other threads may be sampling) and of transformers' init scheme, so a seed always gives
+    # the same bytes. Norm gains are 1, everything else N(0, initializer_range^2) (Llama init).
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * config.initializer_range)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
         do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
@@ -249,17 +257,25 @@ def _make_readable(model_dir: Path) -> None:
 
 
 def _install_atomically(tmp: Path, target: Path) -> bool:
-    """Rename ``tmp`` to ``target`` (an absent or empty directory). False if someone else won the race."""
-    try:
-        if target.is_dir() and not any(target.iterdir()):
-            target.rmdir()
-        os.rename(tmp, target)
-        return True
-    except OSError:
-        if target.is_dir() and any(target.iterdir()):
-            shutil.rmtree(tmp, ignore_errors=True)
-            return False
-        raise
+    """Rename ``tmp`` to ``target`` (absent or an empty directory). False if another process won the race.
+
+    ``os.rename`` of a directory is atomic and refuses a non-empty target, so readers see either
+    nothing or the complete model; a concurrent builder that loses keeps the winner's copy.
+    """
+    for _ in range(5):
+        try:
+            if target.is_dir() and not any(target.iterdir()):
+                target.rmdir()
+            os.rename(tmp, target)
+            return True
+        except FileNotFoundError:  # another process removed the empty target first: try again
+            continue
+        except OSError:
+            if target.is_dir() and any(target.iterdir()):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+            raise
+    raise ModelError(f"could not move the new model into {target}: it keeps changing under concurrent writers")
 
 
 def build_tiny_model(out_dir: Path | str, seed: int = 0) -> Path:

@@ -388,3 +388,18 @@ def test_prepare_smollm2_real_conversion(tmp_path):
     assert "Paris" in answers[0], answers
     assert "hello" in answers[1].lower(), answers
     shutil.rmtree(target)  # 540 MB
+
+
+@pytest.mark.slow  # two fresh interpreters importing transformers: ~10-40 s on 2 loaded cores
+def test_concurrent_builders_of_tiny_agree(tmp_path):
+    """Two processes resolving `tiny` into the same empty cache at once: both get the same complete model."""
+    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    code = "from asyncrl.models import resolve_model_path; print(resolve_model_path('tiny'))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    target = (tmp_path / "cache" / "models" / "tiny").resolve()
+    assert [o[0].strip() for o in outs] == [str(target)] * 2
+    assert validate_model_dir(target)
+    assert [p.name for p in target.parent.iterdir()] == ["tiny"]  # no temporary directories left
