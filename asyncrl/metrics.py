@@ -765,22 +765,25 @@ def role_registry(role: str) -> tuple[CollectorRegistry, object]:
 
 
 def exposition(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
-    """Render ``registry`` for a scrape: ``(body, content_type)``.
+    """Render ``registry`` for a scrape: ``(body, content_type)``, always the classic text format 0.0.4.
 
-    Negotiates OpenMetrics when the ``Accept`` header asks for it (Prometheus does), else the
-    classic text format.
+    No OpenMetrics negotiation, on purpose: Prometheus 2.x asks for OpenMetrics without an
+    ``escaping`` parameter, and prometheus_client (0.26) then rewrites colons in metric names
+    to underscores (``escaping=underscores``), so SGLang-named series (``sglang:num_running_reqs``)
+    would arrive as ``sglang_num_running_reqs`` and the dashboard's engine panels would stay
+    empty. The text format keeps names as they are and every Prometheus version reads it.
+    ``accept`` is accepted for symmetry with handlers and ignored.
     """
-    from prometheus_client.exposition import choose_encoder
-
-    encoder, content_type = choose_encoder(accept or "")
-    return encoder(registry), content_type
+    return prometheus_client.generate_latest(registry), prometheus_client.exposition.CONTENT_TYPE_PLAIN_0_0_4
 
 
 def metrics_app_handler(registry: CollectorRegistry):
     """An aiohttp handler serving ``registry`` (``app.router.add_get("/metrics", handler)``).
 
     The content type carries a charset, so it goes in ``headers`` — aiohttp's
-    ``content_type=`` argument rejects charsets (ecosystem.md B.1).
+    ``content_type=`` argument rejects charsets (ecosystem.md B.1). Serves the classic text
+    format whatever the ``Accept`` header says (see :func:`exposition`), so a registry that
+    also holds SGLang-named engine metrics keeps their colons.
     """
     from aiohttp import web
 
@@ -797,16 +800,35 @@ _SERVERS: dict[int, object] = {}
 def start_metrics_server(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> int:
     """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread; returns the bound port.
 
+    Same body as :func:`metrics_app_handler` (classic text format, see :func:`exposition`).
+
     For roles without an HTTP server of their own (trainer rank 0, the controller). ``port`` 0
     picks a free port. Loopback by default (ARCHITECTURE §8); in a pod pass ``0.0.0.0``.
 
     Raises:
         OSError: the port is taken (the message names it).
     """
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: metrics are at /metrics\n"]
+        body, content_type = exposition(registry)
+        start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+        return [body]
+
+    class _Quiet(WSGIRequestHandler):
+        def log_message(self, *args):  # one line per scrape would flood the role's log
+            pass
+
     try:
-        httpd, _thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+        httpd = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
+    threading.Thread(target=httpd.serve_forever, name=f"metrics-{httpd.server_port}", daemon=True).start()
     bound = int(httpd.server_port)
     _SERVERS[bound] = httpd
     return bound

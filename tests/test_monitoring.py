@@ -539,3 +539,87 @@ def test_real_prometheus_scrapes_roles_and_serves_the_dashboard(prometheus_serve
         M.stop_metrics_server(trainer_port)
         M.stop_metrics_server(controller_port)
         aio.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# the embedded engine's real /metrics
+
+
+def _split_exposition(text: str) -> tuple[str, str]:
+    """(asyncrl part, sglang part) of a text exposition, family by family."""
+    ours, theirs, current = [], [], None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            current = line.split()[2]
+        name = current if line.startswith("#") else re.split(r"[{ ]", line, maxsplit=1)[0]
+        (theirs if name.startswith("sglang:") else ours).append(line)
+    return "".join(ours), "".join(theirs)
+
+
+@pytest.fixture
+def embedded_engine(tiny_model_dir, tmp_path):
+    """A real embedded-engine rollout server process (rollout_server.server) on a free port."""
+    import os
+    import sys
+
+    port = free_port()
+    log = open(tmp_path / "engine.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_server.server", "--model-path", str(tiny_model_dir), "--port", str(port),
+         "--engine-threads", "1", "--log-level", "warning"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "engine not healthy after 120 s:\n" + (tmp_path / "engine.log").read_text()
+                time.sleep(0.3)
+        yield url, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@needs_promtool
+def test_embedded_engine_metrics_pass_promtool_and_feed_the_engine_panels(embedded_engine, prometheus_server):
+    """The rollout server's real /metrics: its asyncrl_ part passes promtool and the lint, it
+    exports every sglang: name the dashboard queries, and the engine-load panels get data
+    from a real Prometheus scraping it."""
+    url, port = embedded_engine
+    req = urllib.request.Request(
+        url + "/generate",
+        data=json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 1.0}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    ours, theirs = _split_exposition(text)
+    assert "asyncrl_build_info{" in ours and 'role="rollout"' in ours
+    r = promtool("check", "metrics", input=ours.encode())
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), (r.stdout + r.stderr).decode()
+    assert M.lint_exposition(ours) == []
+    exported = {s.name for f in __import__("prometheus_client.parser", fromlist=["x"]).text_string_to_metric_families(theirs) for s in f.samples}
+    used = {n for _, e in dashboard_targets() for n in metric_names(e) if n.startswith("sglang:")}
+    assert used and used <= exported, f"dashboard uses sglang names the embedded engine lacks: {sorted(used - exported)}"
+    assert float(re.search(r"^sglang:generation_tokens_total\{[^}]*\} (\S+)$", theirs, re.M).group(1)) > 0
+
+    prom = prometheus_server({"rollout": [f"127.0.0.1:{port}"]}, run="engine")
+    prom.wait_for('up{run="engine"} == 1', timeout=30)
+    engine_panels = [(t, e) for t, e in dashboard_targets() if "sglang:" in e]
+    for title, expr in engine_panels:
+        prom.wait_for(expand(expr, "10s"), timeout=30)
