@@ -1,0 +1,160 @@
+"""The prompt feeder: streams prompt groups from the task into the replay buffer (ARCHITECTURE §4.1).
+
+``asyncrl train`` runs it as its own process (``python -m asyncrl.feeder --config F``, the Redis
+URL in ``ASYNCRL_BUFFER__REDIS_URL``). It keeps about R (``rollout.rollout_batch_size``)
+groups waiting for admission, so admission control — not the feeder — decides how many groups
+are in flight.
+
+No prompt is skipped or repeated across restarts: the dataset cursor lives in Redis, and
+:meth:`buffers.ReplayBuffer.feed` appends groups and moves the cursor in one script, only if
+the cursor still has the value the feeder read. The prompt at cursor ``c`` is
+:meth:`asyncrl.tasks.TrainPromptStream.get(c) <asyncrl.tasks.TrainPromptStream.get>`, a pure
+function of the config, so a restarted feeder (or one started by ``--resume``) continues with
+exactly the next prompt. Group ids are ``p<cursor>``.
+
+A prompt too long for ``max_response_len`` in the model's context stops the feeder with an
+error naming the prompt and the fix (the run then stops: nothing is half-fed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Any
+
+__all__ = ["Feeder", "FeederError", "group_id_for", "main"]
+
+
+class FeederError(RuntimeError):
+    """A prompt that cannot be fed (longer than the context allows)."""
+
+
+def group_id_for(cursor: int) -> str:
+    """The prompt group id of the prompt at dataset position ``cursor``."""
+    return f"p{cursor:09d}"
+
+
+class Feeder:
+    """Feeds prompt groups so that about ``target_pending`` wait for admission.
+
+    Args:
+        buffer: an open :class:`buffers.ReplayBuffer`.
+        stream: the :class:`asyncrl.tasks.TrainPromptStream` of the run.
+        n_samples: samples per prompt group (``rollout.n_samples_per_prompt``).
+        target_pending: groups kept pending (default: R).
+        max_prompt_tokens: longest prompt allowed (context − ``max_response_len``); None: no check.
+    """
+
+    def __init__(self, buffer: Any, stream: Any, n_samples: int, target_pending: int,
+                 max_prompt_tokens: int | None = None) -> None:
+        self.buffer = buffer
+        self.stream = stream
+        self.n_samples = n_samples
+        self.target_pending = target_pending
+        self.max_prompt_tokens = max_prompt_tokens
+        self.fed_groups = 0
+
+    def groups_at(self, cursor: int, count: int) -> list[Any]:
+        """The prompt groups for dataset positions ``cursor .. cursor + count - 1``.
+
+        Raises:
+            FeederError: a prompt longer than ``max_prompt_tokens``.
+        """
+        from asyncrl.types import PromptGroup
+
+        groups = []
+        for c in range(cursor, cursor + count):
+            prompt = self.stream.get(c)
+            if self.max_prompt_tokens is not None and len(prompt.prompt_ids) > self.max_prompt_tokens:
+                raise FeederError(
+                    f"prompt at cursor {c} has {len(prompt.prompt_ids)} tokens; with rollout.max_response_len "
+                    f"only {self.max_prompt_tokens} fit the model's context: lower --max_response_len or "
+                    f"use shorter prompts"
+                )
+            groups.append(PromptGroup(group_id_for(c), list(prompt.prompt_ids), dict(prompt.problem.metadata),
+                                      self.n_samples))
+        return groups
+
+    async def feed_once(self) -> int:
+        """Top the pending queue up to ``target_pending``; returns the number of groups fed.
+
+        A concurrent feed (another feeder) moves the cursor under us: the attempt is dropped
+        (``CursorMismatch``, nothing written) and 0 is returned; the next call re-reads.
+        """
+        from buffers.errors import CursorMismatch
+
+        missing = self.target_pending - await self.buffer.pending_groups()
+        if missing <= 0:
+            return 0
+        cursor = await self.buffer.dataset_cursor()
+        groups = self.groups_at(cursor, missing)
+        try:
+            await self.buffer.feed(groups, cursor)
+        except CursorMismatch:
+            return 0
+        self.fed_groups += len(groups)
+        return len(groups)
+
+    async def run(self, stop: asyncio.Event, poll_seconds: float = 0.1) -> None:
+        """Feed until ``stop`` is set."""
+        while not stop.is_set():
+            fed = await self.feed_once()
+            if not fed:
+                try:
+                    await asyncio.wait_for(stop.wait(), poll_seconds)
+                except asyncio.TimeoutError:
+                    pass
+
+
+async def _run(cfg: Any) -> int:
+    from asyncrl.models import load_tokenizer, model_context_len
+    from asyncrl.tasks import TrainPromptStream
+    from buffers import BufferSettings, ReplayBuffer
+
+    if not cfg.buffer.redis_url:
+        print("asyncrl feeder: buffer.redis_url is not set (asyncrl train passes it; or --redis_url URL)",
+              file=sys.stderr)
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tokenizer = load_tokenizer(cfg.model.path)
+    context = cfg.model.max_context_len or model_context_len(cfg.model.path)
+    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.run.seed)
+    buf = await ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
+    try:
+        feeder = Feeder(buf, stream, cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size,
+                        max_prompt_tokens=context - cfg.rollout.max_response_len)
+        print(f"asyncrl feeder: feeding run {cfg.run.name!r} from cursor {await buf.dataset_cursor()}", flush=True)
+        await feeder.run(stop)
+        print(f"asyncrl feeder: stopped after feeding {feeder.fed_groups} groups; cursor "
+              f"{await buf.dataset_cursor()}", flush=True)
+    finally:
+        await buf.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``python -m asyncrl.feeder --config F [flags]``: feed until SIGTERM; returns the exit code."""
+    from asyncrl.config_cli import config_from_argv
+
+    cfg = config_from_argv(argv, "feeder")
+    if isinstance(cfg, int):
+        return cfg
+    from asyncrl.models import ModelError
+    from buffers.errors import BufferError
+
+    try:
+        return asyncio.run(_run(cfg))
+    except FeederError as exc:
+        print(f"asyncrl feeder: {exc}", file=sys.stderr)
+        return 1
+    except (BufferError, ModelError) as exc:
+        print(f"asyncrl feeder: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
