@@ -618,6 +618,16 @@ def test_embedded_engine_metrics_pass_promtool_and_feed_the_engine_panels(embedd
     assert used and used <= exported, f"dashboard uses sglang names the embedded engine lacks: {sorted(used - exported)}"
     assert float(re.search(r"^sglang:generation_tokens_total\{[^}]*\} (\S+)$", theirs, re.M).group(1)) > 0
 
+    from test_metrics import PROMETHEUS_2_ACCEPT
+
+    scrape = urllib.request.Request(url + "/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
+    with urllib.request.urlopen(scrape, timeout=10) as r:
+        as_prometheus_sees_it = r.read().decode()
+    assert "sglang:num_running_reqs{" in as_prometheus_sees_it, (
+        "asked the way Prometheus 2 asks, the engine's /metrics renames sglang: names (OpenMetrics "
+        "escaping=underscores); serve it with asyncrl.metrics.metrics_app_handler (classic text format)"
+    )
+
     prom = prometheus_server({"rollout": [f"127.0.0.1:{port}"]}, run="engine")
     prom.wait_for('up{run="engine"} == 1', timeout=30)
     engine_panels = [(t, e) for t, e in dashboard_targets() if "sglang:" in e]
