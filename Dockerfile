@@ -7,7 +7,9 @@
 #                     --build-arg EXTRAS=sglang .
 #
 # torch is installed first, pinned, from the chosen index: installing the project first would
-# let pip resolve an unpinned torch (the CUDA build from PyPI). tini is PID 1 and forwards
+# let pip resolve an unpinned torch (the CUDA build from PyPI). The build fails if a later
+# install replaced it (SGLang pins its own torch: then set TORCH_VERSION to SGLang's pin,
+# within asyncrl's range torch>=2.5,<2.14). tini is PID 1 and forwards
 # SIGTERM to the role's process, so the rollout server parks its partials and the trainer
 # checkpoints when Kubernetes stops a pod (a Python PID 1 without a handler ignores SIGTERM).
 FROM python:3.11-slim-bookworm
