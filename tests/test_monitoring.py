@@ -313,10 +313,10 @@ def test_promtool_check_single_machine_config():
 
 @needs_promtool
 def test_kubernetes_scrape_config(tmp_path):
-    """Debian's prometheus is built without Kubernetes service discovery, so promtool rejects
-    ``kubernetes_sd_configs`` outright; we check the SD block's shape here and let promtool
-    check everything else (relabel regexes, rule files) with the SD block swapped for a
-    static target."""
+    """Debian's prometheus (2.42) is built without Kubernetes service discovery and predates
+    ``scrape_protocols``, so promtool rejects both outright; we check them here and let
+    promtool check everything else (relabel regexes, rule files) with the SD block swapped
+    for a static target."""
     src = MON / "prometheus" / "prometheus-kubernetes.yml"
     cfg = yaml.safe_load(src.read_text())
     job = cfg["scrape_configs"][0]
@@ -334,6 +334,8 @@ def test_kubernetes_scrape_config(tmp_path):
     assert re.fullmatch(port_rule["regex"], "10.0.0.7:8080;9400") and re.sub(
         port_rule["regex"], port_rule["replacement"].replace("$", "\\"), "10.0.0.7:8080;9400"
     ) == "10.0.0.7:9400"
+    assert job["scrape_protocols"] == ["PrometheusText0.0.4"]  # keeps sglang: colons (see the config)
+    del job["scrape_protocols"]  # unknown to promtool 2.42 (added in Prometheus 2.49)
     del job["kubernetes_sd_configs"]
     job["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
     (tmp_path / "rules").symlink_to(MON / "prometheus" / "rules")
