@@ -1,0 +1,840 @@
+"""The embedded continuous-batching torch engine behind the SGLang-compatible HTTP server.
+
+One engine owns one transformers causal LM (fp32, CPU) and decodes every running sample in
+one batch per step, in its own thread (torch releases the GIL inside kernels, so the aiohttp
+event loop keeps serving while a step runs). The HTTP layer talks to it only through
+thread-safe calls (:meth:`Engine.submit`, :meth:`Engine.abort`, :meth:`Engine.call`) and gets
+progress back through the ``on_update`` callback, once per engine iteration.
+
+KV cache layout (why it is simple): one left-padded buffer per layer, ``(slots, kv_heads,
+columns, head_dim)``. Every live row ends at the same column ``length``; a row's real tokens
+occupy ``[start, length)`` and a boolean mask ``(slots, columns)`` hides the padding. One
+decode step feeds one token per slot, writes its keys/values into column ``length`` of the
+buffer in place (no per-step concatenation), and passes HF a ready 4-D mask and per-row
+position ids. A request that arrives while a batch runs is prefilled on its own (all newly
+arrived prompts together, left-padded), then copied right-aligned into free slots, and joins
+the very next decode step. The ``n`` samples of a prompt share a single prefill: the prompt is
+prefilled once and its keys/values are copied into ``n`` slots. Finished rows are left as dead
+slots (reused by the next arrival) and compacted away when they exceed a quarter of the batch;
+padding columns no live row needs are trimmed the same way.
+
+Weights change only between steps. Each output token records the weight version that produced
+it (spans, SGLang's ``meta_info.weight_versions``).
+
+Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request with finish reason
+abort (partial output kept), ``retract`` drops the running rows' KV and re-queues them (they
+are re-prefilled from prompt + output on continue), ``in_place`` just stops stepping (KV kept).
+
+Simplifications: no prefix (radix) cache across requests (``cached_tokens`` is the in-request
+prefix sharing of ``n`` samples), no chunked prefill within one prompt, one process = one
+engine (no tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from rollout_server.sampling import RequestError, SamplingParams, sample_tokens
+
+__all__ = ["Engine", "EngineSample", "PromptGroup", "abort_reason", "RequestError"]
+
+log = logging.getLogger(__name__)
+
+
+def abort_reason(message: str = "Aborted") -> dict:
+    """SGLang's abort finish reason (``FINISH_ABORT.to_json()``)."""
+    if message == "Aborted":
+        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+    return {"type": "abort", "message": message}
+
+
+@dataclass(eq=False)
+class EngineSample:
+    """One output sequence being generated (a ``/generate`` request, or one of its ``n`` samples).
+
+    The engine thread appends to the lists and then replaces :attr:`published` (an immutable
+    ``(num_tokens, finish_reason)`` snapshot); readers in other threads look at
+    ``published`` first and slice the lists up to that length, so they never see a torn state.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+    input_token_logprobs: list[Any] | None = None
+    #: ``[(weight_version, first output index), ...]``: which weights produced which tokens
+    version_starts: list[tuple[str, int]] = field(default_factory=list)
+    finish_reason: dict | None = None
+    published: tuple[int, dict | None] = (0, None)
+    created_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_retractions: int = 0
+    cached_tokens: int = 0
+    generator: Any = None
+    #: set by the HTTP layer: anything with ``.set()`` (an asyncio.Event) woken on progress
+    waiter: Any = None
+    index: int = 0
+    # engine-private
+    _stop_scan_from: int = 0
+    _stop_text_len: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class PromptGroup:
+    """Samples that share one prompt (and so one prefill): one prompt's ``n`` samples."""
+
+    prompt_ids: list[int]
+    samples: list[EngineSample]
+
+
+@dataclass(eq=False)
+class _Item:
+    """A unit of admission: token ids to prefill and the samples that continue from them."""
+
+    ids: list[int]
+    samples: list[EngineSample]
+
+
+@dataclass(eq=False)
+class _Row:
+    sample: EngineSample
+    start: int  # first real column of this row in the batch buffer
+
+
+class _BufferLayer:
+    """HF cache layer writing new keys/values in place into the engine's batch buffer.
+
+    Duck-types transformers' ``DynamicLayer`` for the calls the decoder layers make.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    is_initialized = True
+
+    def __init__(self, engine: "Engine", idx: int):
+        self.engine, self.idx = engine, idx
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        e = self.engine
+        B, col = key_states.shape[0], e._length
+        K, V = e._K[self.idx], e._V[self.idx]
+        K[:B, :, col : col + 1] = key_states
+        V[:B, :, col : col + 1] = value_states
+        return K[:B, :, : col + 1], V[:B, :, : col + 1]
+
+    def get_seq_length(self) -> int:
+        return self.engine._length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.engine._length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class Engine:
+    """Continuous-batching generation over a transformers causal LM (see the module docstring).
+
+    Args:
+        model: a transformers causal LM in eval mode (fp32 on CPU for behaviour logprobs).
+        tokenizer: its tokenizer (decoding for stop strings), or None.
+        context_len: maximum prompt + output tokens of one sample.
+        max_batch_size: most rows decoded together; more requests wait in the queue.
+        weight_version: initial version string (SGLang ``--weight-version``).
+        max_prefill_tokens: prompt tokens admitted per iteration (keeps decode steps flowing).
+        seed: seed of the sampler for requests without ``sampling_seed``.
+        threads: ``torch.set_num_threads`` for the engine (None: unchanged).
+        on_update: called from the engine thread with the samples that progressed in an
+            iteration (the HTTP layer forwards them to its event loop).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        context_len: int,
+        max_batch_size: int = 64,
+        weight_version: str = "default",
+        max_prefill_tokens: int = 4096,
+        seed: int = 0,
+        threads: int | None = None,
+        on_update: Callable[[list[EngineSample]], None] | None = None,
+    ):
+        import torch
+
+        self.torch = torch
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.context_len = int(context_len)
+        self.max_batch_size = int(max_batch_size)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.weight_version = str(weight_version)
+        self.on_update = on_update
+        self.threads = threads
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.dtype = next(model.parameters()).dtype
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.generator = torch.Generator().manual_seed(int(seed))
+        # batch state (engine thread only)
+        self._K: list[Any] = []
+        self._V: list[Any] = []
+        self._mask = None  # (slots, columns) bool
+        self._pos = None  # (slots,) next position id
+        self._next = None  # (slots,) next input token
+        self._slots = 0  # allocated slots
+        self._cols = 0  # allocated columns
+        self._length = 0  # used columns
+        self._rows: list[_Row | None] = []  # active width B = len(self._rows)
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(config=model.config)
+        self._cache.layers = [_BufferLayer(self, i) for i in range(self.num_layers)]
+        # queues
+        self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._waiting: collections.deque[_Item] = collections.deque()
+        self._paused: str | None = None
+        self._pending_updates: list[tuple[dict, str | None, Future]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._live: dict[str, EngineSample] = {}  # rid -> sample (waiting or running)
+        # statistics (read by metrics; plain ints are updated atomically under the GIL)
+        self.stats = {
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+            "num_requests_total": 0,
+            "num_aborted_requests_total": 0,
+            "num_retractions_total": 0,
+            "decode_steps_total": 0,
+        }
+        self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # thread-safe API
+
+    def start(self) -> "Engine":
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="asyncrl-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still running are aborted."""
+        self._stop.set()
+        self._inbox.put(("noop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, groups: Iterable[PromptGroup]) -> None:
+        """Queue prompt groups for generation (their samples must have unique rids)."""
+        self._inbox.put(("submit", list(groups)))
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort requests whose rid starts with ``rid`` (SGLang's prefix match), or all of them."""
+        self._inbox.put(("abort", rid, abort_all))
+
+    def call(self, name: str, *args: Any) -> Future:
+        """Run a control command in the engine thread between steps; returns its Future.
+
+        Commands: ``pause(mode)``, ``resume()``, ``update_weights(state_dict, version,
+        abort_all)``, ``flush_cache()``, ``set_version(version)``.
+        """
+        fut: Future = Future()
+        self._inbox.put(("call", name, args, fut))
+        return fut
+
+    def has_rid(self, rid: str) -> bool:
+        return rid in self._live
+
+    def load(self) -> dict:
+        """Counters for /v1/loads and /metrics (a consistent-enough snapshot)."""
+        running = sum(1 for r in self._rows if r is not None)
+        waiting = sum(len(it.samples) for it in list(self._waiting))
+        used = sum(len(r.sample.prompt_ids) + len(r.sample.output_ids) for r in list(self._rows) if r is not None)
+        return {
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_used_tokens": used,
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "token_usage": used / self.max_total_num_tokens if self.max_total_num_tokens else 0.0,
+            "gen_throughput": self.gen_throughput(),
+            "num_paused_reqs": running + waiting if self._paused in ("in_place", "retract") else 0,
+            "paused": self._paused,
+        }
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.max_batch_size * self.context_len
+
+    def gen_throughput(self) -> float:
+        """Generated tokens per second over the last few seconds of decode steps."""
+        w = list(self._throughput_window)
+        now = time.monotonic()
+        w = [(t, n) for t, n in w if now - t < 5.0]
+        if len(w) < 2:
+            return 0.0
+        span = w[-1][0] - w[0][0]
+        return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
+
+    # ------------------------------------------------------------------------------------------
+    # engine thread
+
+    def _run(self) -> None:
+        torch = self.torch
+        if self.threads:
+            torch.set_num_threads(int(self.threads))
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                busy = self._can_step() or self._can_admit()
+                try:
+                    self._drain_inbox(block=not busy)
+                    self._apply_pending_updates()
+                    updated: list[EngineSample] = []
+                    if self._paused is None:
+                        updated += self._admit()
+                        if any(r is not None for r in self._rows):
+                            updated += self._decode_step()
+                    self._publish(updated)
+                except Exception as exc:  # a broken step fails its requests, never the server
+                    log.exception("engine step failed")
+                    self.error = exc
+                    self._fail_all(f"engine error: {exc}")
+            self._fail_all("server shutting down")
+
+    def _can_step(self) -> bool:
+        return self._paused is None and any(r is not None for r in self._rows)
+
+    def _can_admit(self) -> bool:
+        return self._paused is None and bool(self._waiting) and not self._pending_updates
+
+    def _drain_inbox(self, block: bool) -> None:
+        first = True
+        while True:
+            try:
+                msg = self._inbox.get(timeout=0.5) if (block and first) else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            kind = msg[0]
+            if kind == "submit":
+                for g in msg[1]:
+                    for s in g.samples:
+                        self._live[s.rid] = s
+                    self._waiting.append(_Item(list(g.prompt_ids), list(g.samples)))
+                    self.stats["num_requests_total"] += len(g.samples)
+            elif kind == "abort":
+                self._publish(self._abort(msg[1], msg[2]))
+            elif kind == "call":
+                _, name, args, fut = msg
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = getattr(self, "_cmd_" + name)(*args, fut=fut)
+                except Exception as exc:
+                    fut.set_exception(exc)
+                else:
+                    if result is not _DEFERRED:
+                        fut.set_result(result)
+
+    def _publish(self, samples: list[EngineSample]) -> None:
+        if not samples:
+            return
+        seen: set[int] = set()
+        uniq = []
+        for s in samples:
+            if id(s) not in seen:
+                seen.add(id(s))
+                s.published = (len(s.output_ids), s.finish_reason)
+                uniq.append(s)
+        if self.on_update is not None:
+            self.on_update(uniq)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _cmd_pause(self, mode: str, fut: Future) -> dict:
+        updated: list[EngineSample] = []
+        if mode == "abort":
+            updated = self._abort("", True)
+        elif mode == "retract":
+            updated = self._retract_all()
+        elif mode != "in_place":
+            raise RequestError(f"unknown pause mode {mode!r}: use abort, retract or in_place")
+        self._paused = mode
+        self._publish(updated)
+        return {"num_paused_requests": self.load()["num_running_reqs"] + len(self._waiting)}
+
+    def _cmd_resume(self, fut: Future) -> dict:
+        self._paused = None
+        return {}
+
+    def _cmd_set_version(self, version: str, fut: Future) -> str:
+        self.weight_version = str(version)
+        return self.weight_version
+
+    def _cmd_flush_cache(self, fut: Future) -> bool:
+        if any(r is not None for r in self._rows) or self._waiting:
+            return False
+        self._release_buffers()
+        return True
+
+    def _cmd_update_weights(self, state: dict, version: str | None, abort_all: bool, fut: Future):
+        """Load ``state`` now if idle or paused, else once the running batch drains (writer lock)."""
+        if abort_all:
+            self._publish(self._abort("", True))
+        self._validate_state(state)
+        self._pending_updates.append((state, version, fut))
+        self._apply_pending_updates()
+        return _DEFERRED
+
+    def _apply_pending_updates(self) -> None:
+        if not self._pending_updates:
+            return
+        if self._paused is None and any(r is not None for r in self._rows):
+            return  # wait for the running requests (SGLang holds the writer lock)
+        torch = self.torch
+        while self._pending_updates:
+            state, version, fut = self._pending_updates.pop(0)
+            try:
+                params = dict(self.model.named_parameters())
+                with torch.no_grad():
+                    for name, tensor in state.items():
+                        params[name].copy_(tensor.to(params[name].dtype))
+                if version is not None:
+                    self.weight_version = str(version)
+                paused = self.load()
+                fut.set_result({"num_paused_requests": paused["num_running_reqs"] + paused["num_waiting_reqs"]})
+            except Exception as exc:  # pragma: no cover - validated beforehand
+                fut.set_exception(exc)
+
+    def _validate_state(self, state: dict) -> None:
+        """Every tensor must name a parameter of the model with the same shape (nothing half-applied).
+
+        Raises:
+            RequestError: unknown names, shape mismatches, or parameters missing from ``state``
+                (tied weights excepted).
+        """
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(state) - set(params))
+        if unknown:
+            raise RequestError(f"weights contain unknown parameter(s) {unknown[:5]} (model has e.g. {next(iter(params))})")
+        bad = [f"{n}: got {tuple(t.shape)}, model {tuple(params[n].shape)}" for n, t in state.items() if tuple(t.shape) != tuple(params[n].shape)]
+        if bad:
+            raise RequestError("shape mismatch: " + "; ".join(bad[:5]))
+
+    # -- abort / retract ----------------------------------------------------------------------
+
+    def _abort(self, rid: str, abort_all: bool) -> list[EngineSample]:
+        if not rid and not abort_all:
+            return []  # SGLang ignores an empty rid without abort_all
+        hit = lambda s: abort_all or s.rid.startswith(rid)  # noqa: E731
+        updated: list[EngineSample] = []
+        kept: collections.deque[_Item] = collections.deque()
+        for item in self._waiting:
+            keep = []
+            for s in item.samples:
+                if hit(s):
+                    self._finish(s, abort_reason("Abort in waiting queue"))
+                    updated.append(s)
+                else:
+                    keep.append(s)
+            if keep:
+                kept.append(_Item(item.ids, keep))
+        self._waiting = kept
+        for i, row in enumerate(self._rows):
+            if row is not None and hit(row.sample):
+                self._finish(row.sample, abort_reason("Aborted"))
+                self._rows[i] = None
+                updated.append(row.sample)
+        self.stats["num_aborted_requests_total"] += len(updated)
+        self._maybe_compact()
+        return updated
+
+    def _retract_all(self) -> list[EngineSample]:
+        items = []
+        for i, row in enumerate(self._rows):
+            if row is not None:
+                s = row.sample
+                s.num_retractions += 1
+                self.stats["num_retractions_total"] += 1
+                items.append(_Item(s.prompt_ids + s.output_ids, [s]))
+                self._rows[i] = None
+        self._waiting.extendleft(reversed(items))
+        self._maybe_compact()
+        return []
+
+    def _fail_all(self, message: str) -> None:
+        updated = []
+        for row in self._rows:
+            if row is not None and not row.sample.finished:
+                self._finish(row.sample, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
+                updated.append(row.sample)
+        for item in self._waiting:
+            for s in item.samples:
+                self._finish(s, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
+                updated.append(s)
+        self._waiting.clear()
+        self._rows = []
+        self._length = 0
+        for _, _, fut in self._pending_updates:
+            fut.set_exception(RuntimeError(message))
+        self._pending_updates.clear()
+        self._publish(updated)
+
+    def _finish(self, s: EngineSample, reason: dict) -> None:
+        s.finish_reason = reason
+        s.finished_time = time.time()
+        self._live.pop(s.rid, None)
+
+    # -- admission (prefill) --------------------------------------------------------------------
+
+    def _admit(self) -> list[EngineSample]:
+        if not self._waiting or self._pending_updates:
+            return []
+        free = self.max_batch_size - sum(1 for r in self._rows if r is not None)
+        items: list[_Item] = []
+        budget = self.max_prefill_tokens
+        while self._waiting and free > 0:
+            item = self._waiting[0]
+            need = sum(1 for s in item.samples if s.params.max_new_tokens > 0)
+            if need > free or (items and len(item.ids) > budget):
+                break
+            self._waiting.popleft()
+            items.append(item)
+            free -= need
+            budget -= len(item.ids)
+        if not items:
+            return []
+        return self._prefill(items)
+
+    def _prefill(self, items: list[_Item]) -> list[EngineSample]:
+        torch = self.torch
+        P = len(items)
+        L = max(len(it.ids) for it in items)
+        ids = torch.zeros(P, L, dtype=torch.long)
+        pad_mask = torch.zeros(P, L, dtype=torch.bool)
+        pos = torch.zeros(P, L, dtype=torch.long)
+        for i, it in enumerate(items):
+            n = len(it.ids)
+            ids[i, L - n :] = torch.tensor(it.ids, dtype=torch.long)
+            pad_mask[i, L - n :] = True
+            pos[i, L - n :] = torch.arange(n)
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        mask4 = (causal[None] & pad_mask[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
+        want_prompt_lp = any(s.logprob_start_len >= 0 and s.return_logprob for it in items for s in it.samples)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask4[:, None],
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt_lp else 1,
+        )
+        logits_all = out.logits.float()
+        last = logits_all[:, -1, :]  # (P, V)
+        self.stats["prompt_tokens_total"] += sum(len(it.ids) for it in items)
+        updated: list[EngineSample] = []
+        # prompt logprobs (only for requests asking logprob_start_len >= 0)
+        if want_prompt_lp:
+            lsm = torch.log_softmax(logits_all, dim=-1)
+            for i, it in enumerate(items):
+                n = len(it.ids)
+                for s in it.samples:
+                    if s.return_logprob and s.logprob_start_len >= 0 and s.input_token_logprobs is None:
+                        prompt = s.prompt_ids
+                        k = min(s.logprob_start_len, len(prompt))
+                        base = L - n  # column of the first prompt token
+                        vals = []
+                        for j in range(k, len(prompt)):
+                            if j == 0:
+                                vals.append([None, prompt[0], None])
+                            else:
+                                vals.append([float(lsm[i, base + j - 1, prompt[j]]), prompt[j], None])
+                        if vals and vals[0][0] is not None:
+                            vals[0][0] = None  # SGLang always pads the first one with None
+                        s.input_token_logprobs = vals
+        # finished-at-prefill samples (max_new_tokens == 0) and rows to place
+        placements: list[tuple[int, list[EngineSample]]] = []
+        for i, it in enumerate(items):
+            go = []
+            for s in it.samples:
+                if s.finished:
+                    continue
+                if s.params.max_new_tokens <= len(s.output_ids):
+                    self._finish(s, {"type": "length", "length": s.params.max_new_tokens})
+                    updated.append(s)
+                else:
+                    go.append(s)
+            if go:
+                placements.append((i, go))
+        if not placements:
+            return updated
+        # sample the first new token of every placed sample from its item's last logits
+        row_items = [i for i, go in placements for _ in go]
+        samples = [s for _, go in placements for s in go]
+        logits = last[torch.tensor(row_items)].clone()
+        for s in samples:
+            if s.params.sampling_seed is not None and s.generator is None:
+                s.generator = torch.Generator().manual_seed(int(s.params.sampling_seed))
+            if len(s.output_ids) == 0 and len(placements) and s is not None:
+                s.cached_tokens = 0
+        for _, go in placements:
+            for j, s in enumerate(go):
+                if j > 0 and not s.output_ids:
+                    s.cached_tokens = len(s.prompt_ids)  # shared prefill of the n samples
+        tokens, lps, tops = sample_tokens(logits, samples, self._stop_ids, self.generator)
+        # place KV right-aligned into free slots
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        new_len = max(self._length, max(len(items[i].ids) for i, _ in placements))
+        n_new = len(samples)
+        slots = self._claim_slots(n_new, new_len + 1)
+        k = 0
+        for i, go in placements:
+            n = len(items[i].ids)
+            idx = torch.tensor(slots[k : k + len(go)], dtype=torch.long)
+            for layer in range(self.num_layers):
+                src_k = kv[layer][0][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
+                src_v = kv[layer][1][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
+                self._K[layer][idx, :, self._length - n : self._length] = src_k
+                self._V[layer][idx, :, self._length - n : self._length] = src_v
+            self._mask[idx] = False
+            self._mask[idx, self._length - n : self._length] = True
+            self._pos[idx] = n
+            for j, s in enumerate(go):
+                self._rows[slots[k + j]] = _Row(s, self._length - n)
+            k += len(go)
+        idx_all = torch.tensor(slots, dtype=torch.long)
+        self._next[idx_all] = torch.tensor(tokens, dtype=torch.long)
+        updated += self._append_tokens(samples, tokens, lps, tops, slots)
+        return updated
+
+    def _claim_slots(self, n: int, need_cols: int) -> list[int]:
+        """Pick ``n`` slots (dead ones first), growing buffers; make every row end at ``need_cols - 1``."""
+        # shift existing rows right if the new rows are longer than the current content
+        want_len = need_cols - 1
+        if want_len > self._length:
+            self._ensure_capacity(self._slots, want_len + 1)
+            d = want_len - self._length
+            B = len(self._rows)
+            if B and self._length:
+                for layer in range(self.num_layers):
+                    self._K[layer][:B, :, d : d + self._length] = self._K[layer][:B, :, : self._length].clone()
+                    self._V[layer][:B, :, d : d + self._length] = self._V[layer][:B, :, : self._length].clone()
+                self._mask[:B, d : d + self._length] = self._mask[:B, : self._length].clone()
+            if B:
+                self._mask[:B, :d] = False
+            for row in self._rows:
+                if row is not None:
+                    row.start += d
+            self._length = want_len
+        free = [i for i, r in enumerate(self._rows) if r is None][:n]
+        extra = n - len(free)
+        if extra > 0:
+            B = len(self._rows)
+            self._ensure_capacity(B + extra, self._length + 1)
+            self._rows.extend([None] * extra)
+            free += list(range(B, B + extra))
+        return free
+
+    def _ensure_capacity(self, slots: int, cols: int) -> None:
+        torch = self.torch
+        if slots <= self._slots and cols <= self._cols:
+            return
+        new_slots = max(slots, min(self.max_batch_size, max(self._slots * 2, 4)))
+        new_slots = max(new_slots, slots)
+        new_cols = cols if cols <= self._cols else max(cols + 16, self._cols * 2)
+        new_cols = max(new_cols, self._cols)
+        shape = (new_slots, self.kv_heads, new_cols, self.head_dim)
+        B, Lc = len(self._rows), self._length
+        newK, newV = [], []
+        for layer in range(self.num_layers):
+            k = torch.empty(shape, dtype=self.dtype)
+            v = torch.empty(shape, dtype=self.dtype)
+            if self._K and B and Lc:
+                k[:B, :, :Lc] = self._K[layer][:B, :, :Lc]
+                v[:B, :, :Lc] = self._V[layer][:B, :, :Lc]
+            newK.append(k)
+            newV.append(v)
+        mask = torch.zeros(new_slots, new_cols, dtype=torch.bool)
+        pos = torch.zeros(new_slots, dtype=torch.long)
+        nxt = torch.zeros(new_slots, dtype=torch.long)
+        if self._mask is not None and B:
+            mask[:B, :Lc] = self._mask[:B, :Lc]
+            pos[:B] = self._pos[:B]
+            nxt[:B] = self._next[:B]
+        self._K, self._V, self._mask, self._pos, self._next = newK, newV, mask, pos, nxt
+        self._slots, self._cols = new_slots, new_cols
+
+    def _release_buffers(self) -> None:
+        self._K, self._V = [], []
+        self._mask = self._pos = self._next = None
+        self._slots = self._cols = self._length = 0
+        self._rows = []
+
+    def _maybe_compact(self) -> None:
+        """Drop dead tail slots; compact when dead slots exceed a quarter; trim unused left columns."""
+        torch = self.torch
+        while self._rows and self._rows[-1] is None:
+            self._rows.pop()
+        live = [i for i, r in enumerate(self._rows) if r is not None]
+        if not live:
+            self._rows = []
+            self._length = 0
+            return
+        B = len(self._rows)
+        dead = B - len(live)
+        trim = min(self._rows[i].start for i in live)
+        do_compact = dead >= 2 and dead * 4 > B
+        do_trim = trim >= 32 and trim * 4 >= self._length
+        if not (do_compact or do_trim):
+            return
+        idx = torch.tensor(live, dtype=torch.long)
+        t0 = trim if do_trim else 0
+        n = len(live)
+        for layer in range(self.num_layers):
+            self._K[layer][:n, :, : self._length - t0] = self._K[layer][idx, :, t0 : self._length]
+            self._V[layer][:n, :, : self._length - t0] = self._V[layer][idx, :, t0 : self._length]
+        self._mask[:n, : self._length - t0] = self._mask[idx, t0 : self._length]
+        self._pos[:n] = self._pos[idx].clone()
+        self._next[:n] = self._next[idx].clone()
+        rows = [self._rows[i] for i in live]
+        for r in rows:
+            r.start -= t0
+        self._rows = rows
+        self._length -= t0
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def _decode_step(self) -> list[EngineSample]:
+        torch = self.torch
+        B = len(self._rows)
+        self._ensure_capacity(B, self._length + 1)
+        col = self._length
+        self._mask[:B, col] = True
+        mask4 = self._mask[:B, None, None, : col + 1]
+        out = self.model(
+            input_ids=self._next[:B, None],
+            attention_mask=mask4,
+            position_ids=self._pos[:B, None],
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._length = col + 1
+        self._pos[:B] += 1
+        live = [i for i, r in enumerate(self._rows) if r is not None]
+        logits = out.logits[:, -1, :].float()
+        if len(live) < B:
+            logits = logits[torch.tensor(live)]
+        samples = [self._rows[i].sample for i in live]
+        tokens, lps, tops = sample_tokens(logits, samples, self._stop_ids, self.generator)
+        if len(live) < B:
+            self._next[torch.tensor(live)] = torch.tensor(tokens, dtype=torch.long)
+        else:
+            self._next[:B] = torch.tensor(tokens, dtype=torch.long)
+        self.stats["decode_steps_total"] += 1
+        return self._append_tokens(samples, tokens, lps, tops, live)
+
+    def _stop_ids(self, s: EngineSample) -> set[int]:
+        return set(s.params.stop_token_ids) | self.eos_ids
+
+    def _append_tokens(self, samples, tokens, lps, tops, slots) -> list[EngineSample]:
+        now = time.time()
+        version = self.weight_version
+        finished_any = False
+        for s, tok, lp, top, slot in zip(samples, tokens, lps, tops, slots):
+            p = s.params
+            if not s.version_starts or s.version_starts[-1][0] != version:
+                s.version_starts.append((version, len(s.output_ids)))
+            s.output_ids.append(tok)
+            s.output_logprobs.append(lp)
+            if s.top_logprobs_num:
+                s.output_top_logprobs.append(top)
+            if s.first_token_time is None:
+                s.first_token_time = now
+            reason = None
+            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+                reason = {"type": "stop", "matched": tok}
+            elif p.stop and self.tokenizer is not None:
+                matched = self._match_stop_string(s)
+                if matched is not None:
+                    reason = {"type": "stop", "matched": matched}
+            if reason is None and len(s.output_ids) >= p.max_new_tokens:
+                reason = {"type": "length", "length": p.max_new_tokens}
+            if reason is None and len(s.prompt_ids) + len(s.output_ids) >= self.context_len:
+                reason = {"type": "length", "length": len(s.output_ids)}
+            if reason is not None:
+                self._finish(s, reason)
+                self._rows[slot] = None
+                finished_any = True
+        self.stats["generation_tokens_total"] += len(tokens)
+        self._throughput_window.append((time.monotonic(), len(tokens)))
+        if finished_any:
+            self._maybe_compact()
+        return list(samples)
+
+    def _match_stop_string(self, s: EngineSample) -> str | None:
+        """Decode the tail of the output and look for a stop string that ends in the new text."""
+        p = s.params
+        longest = max(len(x) for x in p.stop)
+        tail_ids = s.output_ids[max(0, len(s.output_ids) - longest - 8) :]
+        text = self.tokenizer.decode(tail_ids, skip_special_tokens=p.skip_special_tokens)
+        prev = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=p.skip_special_tokens)
+        # only matches that end inside the newly decoded part count (earlier ones were checked)
+        common = 0
+        while common < min(len(prev), len(text)) and prev[common] == text[common]:
+            common += 1
+        for stop in p.stop:
+            pos = text.find(stop, max(0, common - len(stop) + 1))
+            if pos != -1:
+                return stop
+        return None
+
+
+class _Deferred:
+    pass
+
+
+_DEFERRED = _Deferred()
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """EOS token ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids

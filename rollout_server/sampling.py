@@ -1,0 +1,280 @@
+"""SGLang-compatible sampling parameters and the batched sampler of the embedded engine.
+
+:class:`SamplingParams` accepts exactly the keys of SGLang's ``SamplingParams``
+(``python/sglang/srt/sampling/sampling_params.py``, sglang_api.md §1.2) so that slime's and
+AReaL's payloads work unchanged; unknown keys and out-of-range values raise
+:class:`RequestError` (HTTP 400, SGLang's ``{"error": {"message": ...}}`` shape).
+
+:func:`sample_tokens` turns one fp32 logits row per sequence into the next token and its
+**behaviour logprob** ``log_softmax((logits + adjustments) / T)[token]`` — the full
+distribution before top-k/top-p/min-p truncation, which is exactly what the trainer recomputes
+when RL runs with ``top_p = 1, top_k = -1`` (ARCHITECTURE §2). Greedy (``temperature <
+1e-6``, SGLang's rule) takes the argmax and reports ``log_softmax(logits)[token]`` (T
+treated as 1, as SGLang does internally for greedy).
+
+Simplifications: grammar-constrained decoding (``json_schema``, ``regex``, ``ebnf``,
+``structural_tag``, ``stop_regex``) is not implemented and rejected with a 400 when set;
+``custom_params`` is accepted and ignored. Penalties (frequency, presence, repetition),
+``logit_bias`` and ``min_new_tokens`` are applied to the logits before temperature, so they
+are part of the behaviour distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+__all__ = ["RequestError", "SamplingParams", "sample_tokens", "GREEDY_EPS"]
+
+#: SGLang treats ``temperature < 1e-6`` as greedy.
+GREEDY_EPS = 1e-6
+
+
+class RequestError(ValueError):
+    """A bad /generate (or other) request; the server answers HTTP 400 with this message."""
+
+
+_UNSUPPORTED_GRAMMAR = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+
+
+@dataclass
+class SamplingParams:
+    """One request's ``sampling_params`` (SGLang defaults; ``None`` values mean default)."""
+
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    custom_params: dict | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature < 1e-6`` (argmax decoding)."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def needs_filter(self) -> bool:
+        """True when top-k, top-p or min-p truncates the sampling distribution."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def needs_adjust(self) -> bool:
+        """True when penalties or a logit bias change the logits."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
+
+    @classmethod
+    def from_dict(cls, raw: Any, vocab_size: int) -> "SamplingParams":
+        """Validate a JSON ``sampling_params`` object.
+
+        Raises:
+            RequestError: not a dict, an unknown key, a wrong type or an out-of-range value
+                (SGLang's ``verify()`` rules), or a grammar option (unsupported here).
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
+        known = cls.__dataclass_fields__
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise RequestError(
+                f"unknown sampling_params key(s) {unknown}; accepted keys: {', '.join(sorted(known))}"
+            )
+        p = cls()
+        for key, value in raw.items():
+            if value is None:
+                continue
+            setattr(p, key, value)
+        p._coerce_and_verify(vocab_size)
+        return p
+
+    def _coerce_and_verify(self, vocab_size: int) -> None:
+        def num(name: str, kind: type) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RequestError(f"sampling_params.{name} must be a number, got {v!r}")
+            if kind is int:
+                if float(v) != int(v):
+                    raise RequestError(f"sampling_params.{name} must be an integer, got {v!r}")
+                v = int(v)
+            setattr(self, name, kind(v))
+
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
+            num(name, int)
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            num(name, float)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("sampling_params.stop must be a non-empty string or a list of non-empty strings")
+        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = [self.stop_token_ids]
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in self.stop_token_ids
+        ):
+            raise RequestError(f"sampling_params.stop_token_ids must be a list of token ids in [0, {vocab_size})")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k == -1 or self.top_k == 0:
+            self.top_k = -1  # all tokens (SGLang maps -1 to 1 << 30; 0 is accepted as "off" here too)
+        elif self.top_k < 1:
+            raise RequestError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if self.max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise RequestError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."
+            )
+        if self.n < 1:
+            raise RequestError(f"n must be at least 1, got {self.n}.")
+        if self.stream_interval is not None:
+            num("stream_interval", int)
+            if self.stream_interval < 1:
+                raise RequestError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+        if self.sampling_seed is not None:
+            num("sampling_seed", int)
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise RequestError("sampling_params.custom_params must be an object")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise RequestError("sampling_params.logit_bias must be an object {token_id: bias}")
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise RequestError(f"logit_bias key {k!r} is not a token id") from None
+                if not 0 <= tid < vocab_size or isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise RequestError(f"logit_bias entry {k!r}: {v!r} must map a token id in [0, {vocab_size}) to a number")
+        for name in _UNSUPPORTED_GRAMMAR:
+            if getattr(self, name) is not None:
+                raise RequestError(f"sampling_params.{name} (constrained decoding) is not supported by the embedded engine")
+
+
+def _adjust_logits(logits_row, p: SamplingParams, output_ids: Sequence[int], prompt_ids: Sequence[int]):
+    """Apply penalties and logit bias to one fp32 logits row in place (SGLang's penalizer semantics)."""
+    import torch
+
+    if p.logit_bias:
+        for k, v in p.logit_bias.items():
+            logits_row[int(k)] += float(v)
+    if output_ids and (p.frequency_penalty or p.presence_penalty):
+        ids = torch.tensor(output_ids, dtype=torch.long)
+        counts = torch.bincount(ids, minlength=logits_row.shape[0]).to(logits_row.dtype)
+        logits_row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits_row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        vals = logits_row[seen]
+        logits_row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
+    """Sample one next token per row and report its behaviour logprob.
+
+    Args:
+        logits: ``(R, V)`` fp32 tensor, one row per sequence (modified in place).
+        samples: R engine samples (``.params``, ``.output_ids``, ``.prompt_ids``,
+            ``.generator`` for seeded rows, ``.top_logprobs_num``).
+        stop_ids_for: ``sample -> set[int]`` of token ids that end the sample (masked while
+            ``min_new_tokens`` is not reached).
+        generator: ``torch.Generator`` for unseeded rows.
+
+    Returns:
+        ``(tokens, logprobs, tops)``: python lists of R ints, R floats, and R entries that are
+        ``None`` or a list of ``(logprob, token_id)`` pairs (``top_logprobs_num`` best).
+    """
+    import torch
+
+    R = logits.shape[0]
+    params = [s.params for s in samples]
+    for i, (s, p) in enumerate(zip(samples, params)):
+        if p.needs_adjust:
+            _adjust_logits(logits[i], p, s.output_ids, s.prompt_ids)
+        if p.min_new_tokens and len(s.output_ids) < p.min_new_tokens:
+            ids = list(stop_ids_for(s))
+            if ids:
+                logits[i, ids] = float("-inf")
+    greedy = [p.greedy for p in params]
+    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=logits.dtype)
+    scaled = logits if all(greedy) else logits / temps[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # (R, V) behaviour distribution
+    if all(greedy):
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        probs = logprobs.exp()
+        for i, p in enumerate(params):
+            if p.needs_filter:
+                probs[i] = _filtered(probs[i], p)
+        tokens = torch.empty(R, dtype=torch.long)
+        seeded = [i for i, s in enumerate(samples) if getattr(s, "generator", None) is not None and not greedy[i]]
+        plain = [i for i in range(R) if not greedy[i] and i not in set(seeded)]
+        if plain:
+            idx = torch.tensor(plain)
+            tokens[idx] = torch.multinomial(probs[idx], 1, generator=generator).squeeze(1)
+        for i in seeded:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=samples[i].generator)[0]
+        if any(greedy):
+            g_idx = torch.tensor([i for i in range(R) if greedy[i]])
+            tokens[g_idx] = torch.argmax(logits[g_idx], dim=-1)
+    token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    tops: list[Any] = [None] * R
+    want = [(i, s.top_logprobs_num) for i, s in enumerate(samples) if getattr(s, "top_logprobs_num", 0)]
+    if want:
+        kmax = max(k for _, k in want)
+        vals, ids = torch.topk(logprobs, k=min(kmax, logprobs.shape[1]), dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        for i, k in want:
+            tops[i] = list(zip(vals_l[i][:k], ids_l[i][:k]))
+    return tokens.tolist(), token_lp.tolist(), tops
+
+
+def _filtered(probs_row, p: SamplingParams):
+    """Top-k, then top-p (nucleus), then min-p truncation of one probability row (not renormalised)."""
+    import torch
+
+    row = probs_row.clone()
+    if p.top_k > 0 and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row[row < kth] = 0.0
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(row, descending=True)
+        cum = torch.cumsum(sorted_p, 0)
+        drop = (cum - sorted_p) > p.top_p * cum[-1]
+        sorted_p[drop] = 0.0
+        row = torch.zeros_like(row).scatter_(0, order, sorted_p)
+    if p.min_p > 0.0:
+        row[row < p.min_p * row.max()] = 0.0
+    return row

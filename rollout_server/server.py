@@ -1,0 +1,911 @@
+"""aiohttp server exposing the embedded engine with SGLang's native HTTP API (the subset of
+``sglang_api.md`` §7, same request and response shapes), so asyncrl has one client for both.
+
+Endpoints: ``/generate`` (input_ids or text, batches, ``n``, SGLang's sampling params,
+``return_logprob`` with ``[logprob, id, null]`` triples, SSE streaming — cumulative chunks by
+default, deltas with ``--incremental_streaming_output``), ``/abort_request``,
+``/pause_generation`` (abort / retract / in_place), ``/continue_generation``,
+``/update_weights_from_disk``, ``/update_weights_from_tensor`` (base64 **safetensors**, never
+pickle), ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
+``/destroy_weights_update_group`` (torch.distributed gloo between CPU processes),
+``/update_weight_version``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/health``, ``/health_generate``, ``/flush_cache``, ``/v1/loads``, ``/v1/models``, ``/metrics``.
+
+With an API key every endpoint except ``/health*`` and ``/metrics`` needs ``Authorization:
+Bearer <key>`` (or ``x-api-key``), else 401 ``{"error": "Unauthorized"}`` (SGLang's
+middleware). Bad requests get 400 ``{"error": {"message": ...}}`` before anything reaches the
+engine, so they never disturb other requests.
+
+Deviations from SGLang, on purpose: ``/health`` answers 200 without a test generation (use
+``/health_generate`` for that); ``/health_generate`` answers 200 at once while the engine is
+paused; an EOS reached exactly at ``max_new_tokens`` reports ``stop`` (not ``length``);
+``meta_info.weight_versions`` (per-token version spans) is always present.
+
+Run: ``python -m rollout_server.server --model-path DIR [--port P] [--api-key K]
+[--incremental_streaming_output] [--weight-version V]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rollout_server.engine import Engine, EngineSample, PromptGroup
+from rollout_server.sampling import RequestError, SamplingParams
+
+__all__ = ["ServerOptions", "RolloutHTTPServer", "build_app", "main", "VERSION"]
+
+log = logging.getLogger(__name__)
+
+#: reported as ``version`` by /get_server_info and /v1/loads
+VERSION = "asyncrl-embedded-0.1.0"
+
+_GENERATE_KEYS = {
+    "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "lora_path",
+    "custom_logit_processor", "return_hidden_states", "return_routed_experts", "image_data", "video_data",
+    "audio_data", "session_params", "priority", "extra_key", "routed_dp_rank", "data_parallel_rank",
+    "return_prompt_token_ids", "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "no_logs", "background", "conversation_id", "label",
+}
+_UNSUPPORTED_IF_SET = ("input_embeds", "lora_path", "custom_logit_processor", "image_data", "video_data",
+                       "audio_data", "session_params", "token_ids_logprob")
+_OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+_HEALTH_TIMEOUT_SECONDS = 20.0
+
+
+class ServerOptions:
+    """Options of one embedded server (the CLI flags mirror SGLang's names)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        host: str = "127.0.0.1",
+        port: int = 30000,
+        api_key: str | None = None,
+        incremental_streaming_output: bool = False,
+        weight_version: str = "default",
+        max_running_requests: int = 64,
+        context_length: int | None = None,
+        engine_threads: int | None = None,
+        random_seed: int = 0,
+        served_model_name: str | None = None,
+        stream_interval: int = 1,
+    ):
+        self.model_path = str(model_path)
+        self.host, self.port = host, int(port)
+        self.api_key = api_key or None
+        self.incremental_streaming_output = bool(incremental_streaming_output)
+        self.weight_version = str(weight_version)
+        self.max_running_requests = int(max_running_requests)
+        self.context_length = context_length
+        self.engine_threads = engine_threads
+        self.random_seed = int(random_seed)
+        self.served_model_name = served_model_name or self.model_path
+        self.stream_interval = int(stream_interval)
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+class RolloutHTTPServer:
+    """The HTTP layer over one :class:`Engine` (see the module docstring for the API)."""
+
+    def __init__(self, opts: ServerOptions, model: Any = None, tokenizer: Any = None, registry: Any = None):
+        self.opts = opts
+        self._model, self._tokenizer = model, tokenizer
+        self.engine: Engine | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._paused_mode: str | None = None
+        self._weights_lock: asyncio.Lock | None = None
+        self._dist_groups: dict[str, Any] = {}
+        self.registry = registry
+        self.rollout_metrics = None
+        self.ready = False
+        self.started_time = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load model and tokenizer (unless given) and create the engine; blocking."""
+        import torch
+
+        if self.opts.engine_threads:
+            torch.set_num_threads(int(self.opts.engine_threads))
+        if self._model is None:
+            from asyncrl.models import load_causal_lm, load_tokenizer
+
+            self._model = load_causal_lm(self.opts.model_path)
+            self._tokenizer = load_tokenizer(self.opts.model_path)
+        ctx = self.opts.context_length or getattr(self._model.config, "max_position_embeddings", None) or 2048
+        self.engine = Engine(
+            self._model,
+            self._tokenizer,
+            context_len=int(ctx),
+            max_batch_size=self.opts.max_running_requests,
+            weight_version=self.opts.weight_version,
+            seed=self.opts.random_seed,
+            threads=self.opts.engine_threads,
+            on_update=self._on_engine_update,
+        )
+        self._setup_metrics()
+
+    async def on_startup(self, app: web.Application) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._weights_lock = asyncio.Lock()
+        if self.engine is None:
+            await self.loop.run_in_executor(None, self.load)
+        self.engine.start()
+        self.ready = True
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        self.ready = False
+        if self.engine is not None:
+            await self.loop.run_in_executor(None, self.engine.stop)
+        for pg in self._dist_groups.values():
+            _destroy_group(pg)
+        self._dist_groups.clear()
+
+    def _on_engine_update(self, samples: list[EngineSample]) -> None:
+        """Engine thread -> event loop: wake the handlers waiting on these samples."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        waiters = {id(s.waiter): s.waiter for s in samples if s.waiter is not None}
+        finished = [s for s in samples if s.published[1] is not None]
+        try:
+            loop.call_soon_threadsafe(self._wake, list(waiters.values()), finished)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _wake(self, waiters: list, finished: list[EngineSample]) -> None:
+        for w in waiters:
+            w.set()
+        for s in finished:
+            self._observe_finished(s)
+
+    # -- metrics -------------------------------------------------------------------------------------
+
+    def _setup_metrics(self) -> None:
+        from prometheus_client import CollectorRegistry, Histogram
+
+        if self.registry is None:
+            try:
+                from asyncrl.metrics import role_registry
+
+                self.registry, self.rollout_metrics = role_registry("rollout")
+            except ImportError:  # pragma: no cover - metrics module is part of the package
+                self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+        self._ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token.", labels, buckets=buckets, registry=self.registry)
+        self._e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency.", labels, buckets=buckets, registry=self.registry)
+        self.registry.register(_EngineCollector(self))
+
+    def _observe_finished(self, s: EngineSample) -> None:
+        name = self.opts.served_model_name
+        if s.first_token_time is not None:
+            self._ttft.labels(name).observe(max(0.0, s.first_token_time - s.created_time))
+        if s.finished_time is not None:
+            self._e2e.labels(name).observe(max(0.0, s.finished_time - s.created_time))
+
+    # -- auth ---------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def auth_middleware(self, request: web.Request, handler):
+        key = self.opts.api_key
+        if key and request.method != "OPTIONS" and not request.path.startswith(_OPEN_PATHS):
+            auth = request.headers.get("Authorization", "")
+            scheme, _, token = auth.partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+            if not token or not hmac.compare_digest(token.encode(), key.encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    # -- /generate ---------------------------------------------------------------------------------
+
+    def _parse_generate(self, body: Any) -> tuple[list[PromptGroup], list[EngineSample], bool, bool]:
+        """Validate a /generate body into prompt groups; returns (groups, samples, is_batch, stream).
+
+        Raises:
+            RequestError: any problem (the message says what to fix).
+        """
+        eng = self.engine
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        unknown = sorted(set(body) - _GENERATE_KEYS)
+        if unknown:
+            raise RequestError(f"unknown field(s) {unknown} in /generate request")
+        for key in _UNSUPPORTED_IF_SET:
+            if body.get(key) not in (None, [], {}):
+                raise RequestError(f"{key} is not supported by the embedded engine")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise RequestError("Either text, input_ids or input_embeds should be provided." if text is None else "provide either text or input_ids, not both")
+        if text is not None:
+            if isinstance(text, str):
+                prompts, is_batch = [self._encode(text)], False
+            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                prompts, is_batch = [self._encode(t) for t in text], True
+            else:
+                raise RequestError("text must be a string or a non-empty list of strings")
+        else:
+            if not isinstance(input_ids, list) or not input_ids:
+                raise RequestError("input_ids cannot be empty.")
+            if all(isinstance(t, list) for t in input_ids):
+                prompts, is_batch = input_ids, True
+            else:
+                prompts, is_batch = [input_ids], False
+            for p in prompts:
+                if not p:
+                    raise RequestError("input_ids cannot be empty.")
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise RequestError("input_ids must be a list of integers (or a list of such lists)")
+                bad = [t for t in p if not 0 <= t < eng.vocab_size]
+                if bad:
+                    raise RequestError(f"token id {bad[0]} out of range [0, {eng.vocab_size})")
+        nb = len(prompts)
+        sp_raw = body.get("sampling_params")
+        if isinstance(sp_raw, list):
+            if len(sp_raw) != nb:
+                raise RequestError(f"sampling_params has {len(sp_raw)} entries for a batch of {nb}")
+            params = [SamplingParams.from_dict(x, eng.vocab_size) for x in sp_raw]
+        else:
+            params = [SamplingParams.from_dict(sp_raw, eng.vocab_size)] * nb
+        rl = body.get("return_logprob")
+        rl = rl if isinstance(rl, list) else [rl] * nb
+        if len(rl) != nb or not all(x is None or isinstance(x, bool) for x in rl):
+            raise RequestError("return_logprob must be a boolean or a list of booleans matching the batch")
+        lsl = body.get("logprob_start_len")
+        lsl = -1 if lsl is None else lsl
+        if isinstance(lsl, bool) or not isinstance(lsl, int) or lsl < -1:
+            raise RequestError(f"logprob_start_len must be an integer >= -1, got {lsl!r}")
+        tln = body.get("top_logprobs_num") or 0
+        if isinstance(tln, bool) or not isinstance(tln, int) or not 0 <= tln <= eng.vocab_size:
+            raise RequestError(f"top_logprobs_num must be an integer in [0, {eng.vocab_size}], got {tln!r}")
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise RequestError("stream must be true or false")
+        rid = body.get("rid")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if len(prompt) >= eng.context_len or len(prompt) + p.max_new_tokens > eng.context_len:
+                raise RequestError(
+                    f"Requested token count exceeds the model's maximum context length of {eng.context_len} tokens. "
+                    f"You requested a total of {len(prompt) + p.max_new_tokens} tokens: {len(prompt)} tokens from the "
+                    f"input and {p.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+                    "the input or the completion."
+                )
+            if p.n > eng.max_batch_size:
+                raise RequestError(f"n={p.n} exceeds max_running_requests={eng.max_batch_size}")
+        total = sum(p.n for p in params)
+        if rid is None:
+            base = uuid.uuid4().hex
+            rids = [base] if total == 1 else [f"{base}_{i}" for i in range(total)]
+        elif isinstance(rid, str):
+            rids = [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
+        elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+            if len(rid) != nb:
+                raise RequestError(f"The rid should be a list of length {nb} (batch size), got {len(rid)}")
+            rids = [r if params[i].n == 1 else f"{r}_{j}" for i, r in enumerate(rid) for j in range(params[i].n)]
+        else:
+            raise RequestError("rid must be a string or a list of strings")
+        if len(set(rids)) != len(rids):
+            raise RequestError("Duplicate request IDs in one batch")
+        dup = [r for r in rids if eng.has_rid(r)]
+        if dup:
+            raise RequestError(f"Duplicate request ID {dup[0]!r}: a request with this rid is still running")
+        groups, samples = [], []
+        k = 0
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            group = []
+            for _ in range(p.n):
+                s = EngineSample(
+                    rid=rids[k], prompt_ids=list(prompt), params=p, return_logprob=bool(rl[i]),
+                    top_logprobs_num=tln if rl[i] else 0, logprob_start_len=lsl, index=k,
+                )
+                k += 1
+                group.append(s)
+            groups.append(PromptGroup(list(prompt), group))
+            samples += group
+        return groups, samples, is_batch or total > 1, stream
+
+    def _encode(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            raise RequestError("text input needs a tokenizer; send input_ids")
+        ids = self._tokenizer(text)["input_ids"]
+        if not ids:
+            raise RequestError("text encodes to no tokens")
+        return list(ids)
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error("the request body is not valid JSON")
+        try:
+            groups, samples, is_batch, stream = self._parse_generate(body)
+        except RequestError as exc:
+            return _error(str(exc))
+        await self._unpaused.wait()  # new requests wait while the engine is paused
+        waiter = asyncio.Event()
+        for s in samples:
+            s.waiter = waiter
+            s.created_time = time.time()
+        self.engine.submit(groups)
+        if stream:
+            return await self._stream(request, samples, waiter)
+        try:
+            while not all(s.published[1] is not None for s in samples):
+                try:
+                    await asyncio.wait_for(waiter.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if request.transport is None or request.transport.is_closing():
+                        self._abort_samples(samples)  # client went away: abort (SGLang does too)
+                        raise asyncio.CancelledError()
+                    continue
+                waiter.clear()
+        except asyncio.CancelledError:
+            self._abort_samples(samples)
+            raise
+        outs = [self._output(s, s.published, 0, final=True, incremental=False)[0] for s in samples]
+        for s, o in zip(samples, outs):
+            status = (s.finish_reason or {}).get("status_code")
+            if status in (400, 500, 503) and not is_batch:
+                return web.json_response({"error": {"message": s.finish_reason.get("message", "error")}}, status=status)
+        return web.json_response(outs if is_batch else outs[0], dumps=_dumps)
+
+    def _abort_samples(self, samples: list[EngineSample]) -> None:
+        for s in samples:
+            if s.published[1] is None:
+                self.engine.abort(s.rid)
+
+    async def _stream(self, request: web.Request, samples: list[EngineSample], waiter: asyncio.Event) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        incremental = self.opts.incremental_streaming_output
+        sent = {id(s): 0 for s in samples}
+        text_sent = {id(s): "" for s in samples}
+        done: set[int] = set()
+        multi = len(samples) > 1
+        try:
+            while len(done) < len(samples):
+                await waiter.wait()
+                waiter.clear()
+                chunks = []
+                for s in samples:
+                    if id(s) in done:
+                        continue
+                    n, fin = s.published
+                    interval = s.params.stream_interval or self.opts.stream_interval
+                    if fin is None and (n == 0 or n - sent[id(s)] < interval):
+                        continue
+                    start = sent[id(s)] if incremental else 0
+                    out, text_sent[id(s)] = self._output(
+                        s, (n, fin), start, final=fin is not None, incremental=incremental, text_prev=text_sent[id(s)]
+                    )
+                    if multi:
+                        out["index"] = s.index
+                    sent[id(s)] = n
+                    if fin is not None:
+                        done.add(id(s))
+                    chunks.append(b"data: " + _dumps(out).encode() + b"\n\n")
+                if chunks:
+                    await resp.write(b"".join(chunks))
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self._abort_samples(samples)
+            raise
+        return resp
+
+    def _output(
+        self, s: EngineSample, snap: tuple, start: int, final: bool, incremental: bool, text_prev: str = ""
+    ) -> tuple[dict, str]:
+        """One response object (SGLang ``_handle_batch_output`` shape) for tokens ``[start, n)``.
+
+        Returns ``(object, full text so far)``; in incremental mode ``text`` is the part of the
+        full text after ``text_prev``.
+        """
+        n, fin = snap
+        ids = s.output_ids[:n]
+        meta: dict[str, Any] = {
+            "id": s.rid,
+            "finish_reason": fin,
+            "prompt_tokens": len(s.prompt_ids),
+            "weight_version": self._weight_version_of(s, n),
+            "num_retractions": s.num_retractions,
+            "completion_tokens": n,
+            "cached_tokens": s.cached_tokens,
+            "weight_versions": _spans(s.version_starts, n),
+        }
+        if final:
+            meta["e2e_latency"] = (s.finished_time or time.time()) - s.created_time
+        if s.return_logprob:
+            lps = s.output_logprobs[:n]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[start:], ids[start:])]
+            meta["output_token_logprobs_length"] = n - start
+            meta["input_token_logprobs"] = (s.input_token_logprobs or []) if (start == 0 or not incremental) else []
+            if s.top_logprobs_num:
+                meta["output_top_logprobs"] = [
+                    [[lp, t, None] for lp, t in (row or [])] for row in s.output_top_logprobs[start:n]
+                ]
+        out: dict[str, Any] = {"text": "", "output_ids": ids[start:], "meta_info": meta}
+        full = ""
+        if self._tokenizer is not None:
+            full = self._decode(s, ids, fin)
+            if incremental:
+                if not final and full.endswith("\ufffd"):
+                    full = full.rstrip("\ufffd")  # incomplete UTF-8 sequence: hold it back
+                out["text"] = full[len(text_prev):] if full.startswith(text_prev) else full
+            else:
+                out["text"] = full
+        return out, full
+
+    def _decode(self, s: EngineSample, ids: list[int], fin: dict | None) -> str:
+        p = s.params
+        if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and not p.no_stop_trim and ids:
+            ids = ids[:-1]
+        text = self._tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
+                                      spaces_between_special_tokens=p.spaces_between_special_tokens)
+        if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), str) and not p.no_stop_trim:
+            pos = text.find(fin["matched"])
+            if pos != -1:
+                text = text[:pos]
+        return text
+
+    def _weight_version_of(self, s: EngineSample, n: int) -> str:
+        spans = s.version_starts
+        if n and spans:
+            last = [v for v, st in spans if st < n]
+            if last:
+                return last[-1]
+        return self.engine.weight_version
+
+    # -- abort / pause ------------------------------------------------------------------------------
+
+    async def _json_body(self, request: web.Request, allow_empty: bool = True) -> dict:
+        raw = await request.read()
+        if not raw.strip():
+            if allow_empty:
+                return {}
+            raise RequestError("the request body must be a JSON object")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    async def handle_abort(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request)
+            rid = body.get("rid", "") or ""
+            abort_all = body.get("abort_all", False)
+            if not isinstance(rid, str) or not isinstance(abort_all, bool):
+                raise RequestError("abort_request takes {'rid': str, 'abort_all': bool}")
+        except RequestError as exc:
+            return _error(str(exc))
+        self.engine.abort(rid, abort_all)
+        return web.Response(status=200)
+
+    async def handle_pause(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request)
+            mode = body.get("mode", "abort") or "abort"
+            if mode not in ("abort", "retract", "in_place"):
+                raise RequestError(f"mode must be one of abort, retract, in_place; got {mode!r}")
+        except RequestError as exc:
+            return _error(str(exc))
+        self._unpaused.clear()
+        self._paused_mode = mode
+        await asyncio.wrap_future(self.engine.call("pause", mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def handle_continue(self, request: web.Request) -> web.Response:
+        try:
+            await self._json_body(request)
+        except RequestError as exc:
+            return _error(str(exc))
+        await asyncio.wrap_future(self.engine.call("resume"))
+        self._paused_mode = None
+        self._unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    # -- weights ------------------------------------------------------------------------------------
+
+    async def _apply_weights(self, state: dict, version: Any, abort_all: bool) -> web.Response:
+        from rollout_server.weights import WeightLoadError
+
+        try:
+            res = await asyncio.wrap_future(
+                self.engine.call("update_weights", state, None if version is None else str(version), bool(abort_all))
+            )
+        except (RequestError, WeightLoadError) as exc:
+            return web.json_response({"success": False, "message": f"Failed to update weights: {exc}"}, status=400)
+        msg = "Succeeded to update model weights."
+        if version is not None:
+            msg += f" Weight version updated to {version}."
+        if self.rollout_metrics is not None:
+            try:
+                self.rollout_metrics.policy_version.set(int(version))
+            except (TypeError, ValueError):
+                pass
+        return web.json_response({"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"]})
+
+    def _update_args(self, body: dict, required: str) -> tuple[Any, bool]:
+        if required and required not in body:
+            raise RequestError(f"missing required field {required!r}")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, (str, int)):
+            raise RequestError("weight_version must be a string")
+        abort_all = body.get("abort_all_requests", False)
+        if not isinstance(abort_all, bool):
+            raise RequestError("abort_all_requests must be true or false")
+        return version, abort_all
+
+    async def handle_update_from_disk(self, request: web.Request) -> web.Response:
+        from rollout_server.weights import WeightLoadError, load_state_dict_from_dir
+
+        try:
+            body = await self._json_body(request, allow_empty=False)
+            version, abort_all = self._update_args(body, "model_path")
+            if body.get("load_format") not in (None, "auto", "safetensors"):
+                raise RequestError(f"load_format {body['load_format']!r} is not supported (use safetensors)")
+            path = body["model_path"]
+            if not isinstance(path, str) or not path:
+                raise RequestError("model_path must be a directory path")
+        except RequestError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        async with self._weights_lock:
+            try:
+                state = await self.loop.run_in_executor(None, load_state_dict_from_dir, path)
+            except WeightLoadError as exc:
+                return web.json_response({"success": False, "message": f"Failed to get weights iterator: {exc}"}, status=400)
+            return await self._apply_weights(state, version, abort_all)
+
+    async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
+        from rollout_server.weights import WeightLoadError, decode_safetensors_payload
+
+        try:
+            body = await self._json_body(request, allow_empty=False)
+            version, abort_all = self._update_args(body, "serialized_named_tensors")
+            blobs = body["serialized_named_tensors"]
+            if isinstance(blobs, str):
+                blobs = [blobs]
+            if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
+                raise RequestError("serialized_named_tensors must be a list of base64 safetensors payloads")
+            if body.get("load_format") not in (None, "safetensors", "direct"):
+                raise RequestError(f"load_format {body['load_format']!r} is not supported (base64 safetensors only)")
+        except RequestError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        async with self._weights_lock:
+            try:
+                state = await self.loop.run_in_executor(None, decode_safetensors_payload, blobs)
+            except WeightLoadError as exc:
+                return web.json_response({"success": False, "message": str(exc)}, status=400)
+            return await self._apply_weights(state, version, abort_all)
+
+    async def handle_init_group(self, request: web.Request) -> web.Response:
+        from rollout_server.weights import init_weights_update_group
+
+        try:
+            body = await self._json_body(request, allow_empty=False)
+            for key in ("master_address", "master_port", "rank_offset", "world_size"):
+                if key not in body:
+                    raise RequestError(f"missing required field {key!r}")
+            backend = body.get("backend", "nccl")
+            if backend != "gloo":
+                raise RequestError(f"backend {backend!r} is not available on the CPU engine: use gloo")
+            name = body.get("group_name", "weight_update_group")
+            if name in self._dist_groups:
+                raise RequestError(f"weight update group {name!r} already exists")
+        except RequestError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        try:
+            pg = await self.loop.run_in_executor(
+                None, init_weights_update_group, body["master_address"], int(body["master_port"]),
+                int(body["rank_offset"]), int(body["world_size"]), name, backend,
+            )
+        except Exception as exc:  # rendezvous failure, timeout
+            return web.json_response({"success": False, "message": f"Failed to init group: {exc}"}, status=400)
+        self._dist_groups[name] = pg
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def handle_update_from_distributed(self, request: web.Request) -> web.Response:
+        from rollout_server.weights import WeightLoadError, receive_broadcast_weights
+
+        try:
+            body = await self._json_body(request, allow_empty=False)
+            version, abort_all = self._update_args(body, "names")
+            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not (
+                len(names) == len(dtypes) == len(shapes)
+            ):
+                raise RequestError("names, dtypes and shapes must be lists of equal length")
+            name = body.get("group_name", "weight_update_group")
+            pg = self._dist_groups.get(name)
+            if pg is None:
+                raise RequestError(f"no weight update group {name!r}: call /init_weights_update_group first")
+        except RequestError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        async with self._weights_lock:
+            try:
+                state = await self.loop.run_in_executor(None, receive_broadcast_weights, pg, names, dtypes, shapes)
+            except (WeightLoadError, RuntimeError) as exc:
+                return web.json_response({"success": False, "message": f"Failed to receive weights: {exc}"}, status=400)
+            return await self._apply_weights(state, version, abort_all)
+
+    async def handle_destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request)
+        except RequestError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        name = body.get("group_name", "weight_update_group")
+        pg = self._dist_groups.pop(name, None)
+        if pg is None:
+            return web.json_response({"success": False, "message": f"no weight update group {name!r}"}, status=400)
+        _destroy_group(pg)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def handle_update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request, allow_empty=False)
+            v = body.get("new_version")
+            if not isinstance(v, (str, int)) or isinstance(v, bool):
+                raise RequestError("new_version must be a string")
+        except RequestError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        if body.get("abort_all_requests", True):
+            self.engine.abort("", True)
+        await asyncio.wrap_future(self.engine.call("set_version", str(v)))
+        return web.json_response({"success": True, "message": f"Weight version updated to {v}", "new_version": str(v)})
+
+    # -- info / health ------------------------------------------------------------------------------
+
+    async def handle_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.opts.model_path,
+            "tokenizer_path": self.opts.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.engine.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        })
+
+    async def handle_server_info(self, request: web.Request) -> web.Response:
+        o, e = self.opts, self.engine
+        load = e.load()
+        return web.json_response({
+            "model_path": o.model_path, "tokenizer_path": o.model_path, "served_model_name": o.served_model_name,
+            "host": o.host, "port": o.port, "tp_size": 1, "dp_size": 1, "dtype": str(e.dtype).replace("torch.", ""),
+            "context_length": e.context_len, "max_running_requests": e.max_batch_size,
+            "max_total_num_tokens": e.max_total_num_tokens, "max_req_input_len": e.context_len - 1,
+            "weight_version": e.weight_version, "incremental_streaming_output": o.incremental_streaming_output,
+            "stream_output": o.incremental_streaming_output, "stream_interval": o.stream_interval,
+            "skip_tokenizer_init": self._tokenizer is None, "enable_metrics": True, "random_seed": o.random_seed,
+            "api_key_required": bool(o.api_key), "engine": "asyncrl-torch", "engine_threads": o.engine_threads,
+            "internal_states": [{"paused": load["paused"], "num_running_reqs": load["num_running_reqs"]}],
+            "version": VERSION,
+        })
+
+    async def handle_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        ok = self.ready and self.engine is not None and self.engine.alive
+        return web.Response(status=200 if ok else 503)
+
+    async def handle_health_generate(self, request: web.Request) -> web.Response:
+        if not (self.ready and self.engine is not None and self.engine.alive):
+            return web.Response(status=503)
+        if not self._unpaused.is_set():
+            return web.Response(status=200)
+        sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}, self.engine.vocab_size)
+        s = EngineSample(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[0], params=sp)
+        s.waiter = asyncio.Event()
+        self.engine.submit([PromptGroup([0], [s])])
+        deadline = time.monotonic() + _HEALTH_TIMEOUT_SECONDS
+        while s.published[1] is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.engine.abort(s.rid)
+                return web.Response(status=503)
+            try:
+                await asyncio.wait_for(s.waiter.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                continue
+            s.waiter.clear()
+        return web.Response(status=200)
+
+    async def handle_flush_cache(self, request: web.Request) -> web.Response:
+        ok = await asyncio.wrap_future(self.engine.call("flush_cache"))
+        text = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                "requests, the operation will not be performed.)\n")
+        return web.Response(text=text, status=200 if ok else 400)
+
+    async def handle_loads(self, request: web.Request) -> web.Response:
+        load = self.engine.load()
+        now = time.time()
+        entry = {
+            "dp_rank": 0, "timestamp": now, "num_running_reqs": load["num_running_reqs"],
+            "num_waiting_reqs": load["num_waiting_reqs"], "num_used_tokens": load["num_used_tokens"],
+            "num_total_tokens": load["max_total_num_tokens"], "max_total_num_tokens": load["max_total_num_tokens"],
+            "token_usage": load["token_usage"], "gen_throughput": load["gen_throughput"], "cache_hit_rate": 0.0,
+            "utilization": load["num_running_reqs"] / self.engine.max_batch_size,
+            "max_running_requests": self.engine.max_batch_size, "num_paused_reqs": load["num_paused_reqs"],
+        }
+        return web.json_response({"timestamp": now, "version": VERSION, "accelerator": "cpu", "num_accelerators": 0, "loads": [entry]})
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        name = self.opts.served_model_name
+        return web.json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(self.started_time), "owned_by": "asyncrl", "root": name,
+            "max_model_len": self.engine.context_len,
+        }]})
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encoder(self.registry), headers={"Content-Type": content_type})
+
+    # -- app ------------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """The aiohttp application (engine started on startup, stopped on cleanup)."""
+        app = web.Application(middlewares=[self.auth_middleware], client_max_size=1 << 31)
+        r = app.router
+        r.add_route("POST", "/generate", self.handle_generate)
+        r.add_route("PUT", "/generate", self.handle_generate)
+        r.add_post("/abort_request", self.handle_abort)
+        r.add_post("/pause_generation", self.handle_pause)
+        r.add_post("/continue_generation", self.handle_continue)
+        r.add_post("/update_weights_from_disk", self.handle_update_from_disk)
+        r.add_post("/update_weights_from_tensor", self.handle_update_from_tensor)
+        r.add_post("/init_weights_update_group", self.handle_init_group)
+        r.add_post("/update_weights_from_distributed", self.handle_update_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.handle_destroy_group)
+        r.add_post("/update_weight_version", self.handle_update_weight_version)
+        for path, h in (("/get_model_info", self.handle_model_info), ("/model_info", self.handle_model_info),
+                        ("/get_server_info", self.handle_server_info), ("/server_info", self.handle_server_info),
+                        ("/get_weight_version", self.handle_weight_version), ("/health", self.handle_health),
+                        ("/health_generate", self.handle_health_generate), ("/v1/loads", self.handle_loads),
+                        ("/get_load", self.handle_loads), ("/v1/models", self.handle_models), ("/metrics", self.handle_metrics)):
+            r.add_get(path, h)
+        r.add_route("GET", "/flush_cache", self.handle_flush_cache)
+        r.add_route("POST", "/flush_cache", self.handle_flush_cache)
+        app.on_startup.append(self.on_startup)
+        app.on_cleanup.append(self.on_cleanup)
+        return app
+
+
+class _EngineCollector:
+    """Exports SGLang's ``sglang:`` engine gauges and counters from the engine's statistics."""
+
+    def __init__(self, server: RolloutHTTPServer):
+        self.server = server
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        eng = self.server.engine
+        name = self.server.opts.served_model_name
+        load = eng.load()
+        gauges = {
+            "num_running_reqs": ("Running requests.", load["num_running_reqs"]),
+            "num_queue_reqs": ("Requests waiting in the queue.", load["num_waiting_reqs"]),
+            "num_used_tokens": ("Tokens held by running requests.", load["num_used_tokens"]),
+            "token_usage": ("Used share of max_total_num_tokens.", load["token_usage"]),
+            "gen_throughput": ("Generation throughput, tokens per second.", load["gen_throughput"]),
+            "num_paused_reqs": ("Requests paused by a weight-sync pause.", load["num_paused_reqs"]),
+            "max_total_num_tokens": ("Token capacity.", load["max_total_num_tokens"]),
+        }
+        for key, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(f"sglang:{key}", doc, labels=["model_name"])
+            g.add_metric([name], float(value))
+            yield g
+        counters = {
+            "prompt_tokens": ("Prefilled prompt tokens.", "prompt_tokens_total"),
+            "generation_tokens": ("Generated tokens.", "generation_tokens_total"),
+            "num_requests": ("Requests received.", "num_requests_total"),
+            "num_aborted_requests": ("Requests aborted.", "num_aborted_requests_total"),
+            "num_retracted_reqs": ("Requests retracted.", "num_retractions_total"),
+        }
+        for key, (doc, stat) in counters.items():
+            c = CounterMetricFamily(f"sglang:{key}", doc, labels=["model_name"])
+            c.add_metric([name], float(eng.stats[stat]))
+            yield c
+
+
+def _spans(version_starts: list[tuple[str, int]], n: int) -> list[dict]:
+    """Half-open output-index spans of each weight version, clipped to ``n`` tokens."""
+    out = []
+    for i, (v, st) in enumerate(version_starts):
+        if st >= n:
+            break
+        end = version_starts[i + 1][1] if i + 1 < len(version_starts) else n
+        out.append({"version": v, "start": st, "end": min(end, n)})
+    return out
+
+
+def _destroy_group(pg: Any) -> None:
+    try:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(pg)
+    except Exception:  # best effort at shutdown
+        log.debug("destroying weight update group failed", exc_info=True)
+
+
+def build_app(opts: ServerOptions, model: Any = None, tokenizer: Any = None) -> tuple[web.Application, RolloutHTTPServer]:
+    """Create the server (loading the model now, so readiness means servable) and its app."""
+    server = RolloutHTTPServer(opts, model, tokenizer)
+    server.load()
+    return server.app(), server
+
+
+def parse_args(argv: list[str] | None = None) -> ServerOptions:
+    """SGLang-style flags (both ``--flag-name`` and ``--flag_name`` spellings)."""
+    ap = argparse.ArgumentParser(prog="python -m rollout_server.server", description=__doc__.split("\n\n")[0])
+    def add(name: str, **kw):
+        ap.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)
+    add("model-path", required=True, help="HF model directory (or a name known to asyncrl models)")
+    add("host", default="127.0.0.1")
+    add("port", type=int, default=30000)
+    add("api-key", default=None)
+    add("incremental-streaming-output", action="store_true", help="stream deltas instead of cumulative chunks")
+    add("weight-version", default="default")
+    add("max-running-requests", type=int, default=64)
+    add("context-length", type=int, default=None)
+    add("engine-threads", type=int, default=None)
+    add("random-seed", type=int, default=0)
+    add("served-model-name", default=None)
+    add("stream-interval", type=int, default=1)
+    add("log-level", default="info")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO))
+    return ServerOptions(
+        model_path=a.model_path, host=a.host, port=a.port, api_key=a.api_key,
+        incremental_streaming_output=a.incremental_streaming_output, weight_version=a.weight_version,
+        max_running_requests=a.max_running_requests, context_length=a.context_length,
+        engine_threads=a.engine_threads, random_seed=a.random_seed, served_model_name=a.served_model_name,
+        stream_interval=a.stream_interval,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rollout_server.server``: load the model, serve until SIGINT/SIGTERM."""
+    opts = parse_args(argv)
+    from asyncrl.models import resolve_model_path
+
+    opts.model_path = str(resolve_model_path(opts.model_path))
+    app, server = build_app(opts)
+    print(f"asyncrl embedded engine serving {opts.model_path} on http://{opts.host}:{opts.port}", flush=True)
+    web.run_app(app, host=opts.host, port=opts.port, print=None, access_log=None, handle_signals=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
