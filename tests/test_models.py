@@ -159,6 +159,14 @@ def test_known_model_not_prepared_says_how_to_prepare(cache):
         resolve_model_path("smollm2-135m-instruct")
 
 
+def test_incomplete_preparation_says_force(cache, tiny_model_dir):
+    target = cache / "models" / "smollm2-135m-instruct"
+    shutil.copytree(tiny_model_dir, target)
+    (target / "asyncrl_model.json").unlink()  # not written by `asyncrl models prepare`
+    with pytest.raises(CorruptModelError, match=r"incomplete preparation.*asyncrl models prepare smollm2-135m-instruct --force"):
+        resolve_model_path("smollm2-135m-instruct")
+
+
 def test_unknown_name_lists_the_options(cache):
     with pytest.raises(ModelNotFoundError, match=r"no model 'gpt-17'.*local Hugging Face directory.*asyncrl models prepare"):
         resolve_model_path("gpt-17")
@@ -368,6 +376,17 @@ def test_prepare_smollm2_real_conversion(tmp_path):
 
     listing = subprocess.run([*_asyncrl_cmd(), "models", "list"], env=env, capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and "smollm2-135m-instruct" in listing.stdout and "134,515,008" in listing.stdout
+
+    # a damaged copy is reported by name, and `prepare` converts it again
+    weights = target / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    with pytest.raises(CorruptModelError, match=r"model\.safetensors is truncated or damaged"):
+        resolve_model_path("smollm2-135m-instruct", cache=tmp_path / "cache")
+    repair = subprocess.run([*_asyncrl_cmd(), "models", "prepare", "smollm2-135m-instruct"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert repair.returncode == 0 and "prepared smollm2-135m-instruct" in repair.stdout, repair.stderr[-3000:]
+    assert resolve_model_path("smollm2-135m-instruct", cache=tmp_path / "cache") == target.resolve()
 
     config = json.loads((target / "config.json").read_text())
     assert "quantization_config" not in config  # plain fp32 weights now
