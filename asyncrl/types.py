@@ -18,7 +18,7 @@ them. Simplified on purpose: timestamps are integer milliseconds of the Redis se
 
 from __future__ import annotations
 
-import math
+import struct
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Sequence
@@ -258,6 +258,11 @@ def pack_i32(values: Sequence[int] | np.ndarray) -> bytes:
     Raises:
         ValueError: a value is outside the int32 range.
     """
+    if isinstance(values, (list, tuple)) and len(values) <= 4096:
+        try:
+            return struct.pack(f"<{len(values)}i", *values)  # fast path for chunks
+        except struct.error:
+            raise ValueError("token ids / versions must be integers that fit in int32") from None
     arr = np.asarray(values, dtype=np.int64)
     if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
         raise ValueError("token ids / versions must fit in int32")
@@ -283,6 +288,13 @@ def pack_f32(values: Sequence[float] | np.ndarray) -> bytes:
     Raises:
         ValueError: a value is NaN (a logprob is finite or -inf).
     """
+    if isinstance(values, (list, tuple)) and len(values) <= 4096:
+        try:
+            if any(v != v for v in values):
+                raise ValueError("logprobs/advantages must not be NaN")
+            return struct.pack(f"<{len(values)}f", *values)
+        except (struct.error, TypeError, OverflowError):
+            raise ValueError("logprobs/advantages must be floats") from None
     arr = np.asarray(values, dtype="<f4")
     if arr.size and np.isnan(arr).any():
         raise ValueError("logprobs/advantages must not be NaN")
@@ -310,7 +322,3 @@ def staleness(clock_version: int, token_versions: Sequence[int]) -> int:
     if len(token_versions) == 0:
         return 0
     return int(clock_version - min(token_versions))
-
-
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -51,7 +51,7 @@ from buffers.errors import (
     UnknownItem,
 )
 from buffers.keys import GROUP_ID, SCHEMA_VERSION, key_prefix
-from buffers.scripts import Scripts
+from buffers.scripts import Coalescer, Scripts
 
 __all__ = ["BufferSettings", "ReplayBuffer", "STALE_POLICIES", "FINISH_REASONS"]
 
@@ -168,6 +168,8 @@ class ReplayBuffer:
         self.clock = VersionClock(redis, run, self._scripts)
         self._head = [self.prefix + "schema"]
         self._argv = [self.prefix, SCHEMA_VERSION, *settings.lua_args()]
+        self._appends = Coalescer(lambda *a: self._run("append", *a))
+        self._scores = Coalescer(lambda *a: self._run("score", *a))
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -357,7 +359,7 @@ class ReplayBuffer:
             packed = (pack_i32(ids), pack_f32(logprobs), pack_i32(versions))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        res = await self._run("append", item.sample_id, item.claim_token, item.length_tokens, *packed, finish)
+        res = await self._appends.submit([item.sample_id, item.claim_token, item.length_tokens, *packed, finish])
         item.length_tokens = int(res[0])
         return item.length_tokens, _s(res[1])
 
@@ -396,8 +398,8 @@ class ReplayBuffer:
                 except ValueError as exc:
                     raise BadRequest(str(exc)) from None
         kind, value = ("reward", repr(float(reward))) if reward is not None else ("error", str(error))
-        res = await self._run("score", item.sample_id, item.claim_token, kind, value, advk, adv)
-        return GroupState(_s(res))
+        res = await self._scores.submit([item.sample_id, item.claim_token, kind, value, advk, adv])
+        return GroupState(_s(res[0]))
 
     async def renew(self, items: Iterable[WorkItem]) -> int:
         """Extend the leases of ``items`` by ``lease_seconds``; returns how many are still held."""

@@ -22,6 +22,7 @@ __all__ = [
     "BadRequest",
     "BadOffset",
     "from_response",
+    "error_for",
 ]
 
 
@@ -90,6 +91,11 @@ _CODES: dict[str, type[BufferError]] = {
     "BAD_REQUEST": BadRequest,
     "BAD_OFFSET": BadOffset,
 }
+
+
+def error_for(code: str, message: str) -> BufferError:
+    """The :class:`BufferError` for a per-item error ``code`` of a multi-item script."""
+    return _CODES.get(code, BufferError)(message)
 
 
 def from_response(exc: Exception) -> Exception:

@@ -622,3 +622,31 @@ async def test_smaller_last_batch_at_end_of_dataset(redis_url):
     b = await buf.next_batch(1, min_groups=1)
     assert b.group_ids == ["g0"]
     await buf.close()
+
+
+async def test_concurrent_appends_are_coalesced_with_independent_errors(redis_url, redis_server):
+    buf = await open_buf(redis_url, rollout_batch_size=8, train_batch_groups=8, n_samples_per_prompt=4)
+    await feed(buf, 8)
+    items = await buf.claim("w", 32)
+    assert len(items) == 32
+    calls = []
+    orig = buf._scripts.run
+
+    async def counting(name, keys, args):
+        calls.append(name)
+        return await orig(name, keys, args)
+
+    buf._scripts.run = counting
+    forged = type(items[5])(**{**items[5].__dict__, "claim_token": "nope"})
+    results = await asyncio.gather(
+        *(gen(buf, it, 4, 0) for it in items if it is not items[5]), gen(buf, forged, 4, 0), return_exceptions=True
+    )
+    assert results[:-1] == [4] * 31 and isinstance(results[-1], LeaseLost)
+    assert calls.count("append") < 8  # 32 appends in a few script calls, not 32
+    assert (await buf.get_sample(items[5].sample_id)).response_ids == []
+    # a transport failure reaches every caller of the failed call
+    redis_server.kill()
+    results = await asyncio.gather(*(gen(buf, it, 1, 0) for it in items[:4]), return_exceptions=True)
+    assert all(isinstance(r, Exception) and not isinstance(r, LeaseLost) for r in results)
+    redis_server.start()
+    await buf.close()
