@@ -490,12 +490,16 @@ class ReplayBuffer:
     async def recover(self, step: int, version: int, uri: str = "", checksum: str = "") -> dict[str, int]:
         """The trainer resumed from the checkpoint of ``step`` holding policy ``version``.
 
+        ``uri``/``checksum`` of the checkpoint's weights are announced with the rewind; when
+        omitted, the ones published for ``version`` in this lineage are used (for version 0,
+        the initial model, the announcement has an empty uri: load the configured model).
+
         Returns:
             ``{"replayed_groups", "restarted_groups", "dropped_groups", "lineage", "revoked_leases"}``.
 
         Raises:
-            BadRequest: ``version`` ahead of the clock, rewinding without ``uri``, or ``step``
-                before the last committed step.
+            BadRequest: ``version`` ahead of the clock, rewinding to a version > 0 that was never
+                published without ``uri``, or ``step`` before the last committed step.
         """
         r = await self._run("recover", int(step), int(version), uri, checksum, self.clock.channel)
         keys = ("replayed_groups", "restarted_groups", "dropped_groups", "lineage", "revoked_leases")

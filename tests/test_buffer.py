@@ -447,9 +447,11 @@ async def test_recover_rehands_in_order_rewinds_and_applies_stale_policy(redis_u
     assert open_b.group_ids == ["g3"]
     with pytest.raises(BadRequest, match="ahead"):
         await buf.recover(1, 7)
+    await buf.redis.hdel(buf.prefix + "weights:history", 1)  # as if version 1 had never been published
     with pytest.raises(BadRequest, match="uri"):
         await buf.recover(1, 1)
-    rep = await buf.recover(1, 1, "file:///w/1", "c1")
+    await buf.clock.redis.hset(buf.prefix + "weights:history", 1, json.dumps({"uri": "file:///w/1", "checksum": "c1"}))
+    rep = await buf.recover(1, 1)  # the uri recorded when version 1 was published
     assert rep["replayed_groups"] == 3 and rep["lineage"] == 1 and rep["revoked_leases"] == 1
     assert await buf.clock.version() == 1 and await buf.clock.lineage() == 1
     latest = await buf.clock.latest()
@@ -481,8 +483,9 @@ async def test_recover_drop_policy_for_abandoned_versions(redis_url):
     await buf.clock.publish(1, "file:///w/1", "c1")
     await buf.clock.publish(2, "file:///w/2", "c2")
     await finish_all(buf, version=2)
-    rep = await buf.recover(0, 0, "file:///w/0", "c0")
+    rep = await buf.recover(0, 0)  # version 0 = the initial model: empty uri
     assert rep["dropped_groups"] == 2
+    assert (await buf.clock.latest()).uri == "" and await buf.redis.hkeys(buf.prefix + "weights:history") == []
     assert await buf.dropped_groups() == {"g0": "abandoned_version", "g1": "abandoned_version"}
     await buf.close()
 

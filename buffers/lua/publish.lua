@@ -12,6 +12,7 @@ local lin = lineage()
 redis.call('SET', k('version'), version)
 redis.call('HSET', k('weights:latest'), 'version', version, 'uri', ARGV[4], 'checksum', ARGV[5],
   'lineage', lin, 'published_ms', NOW)
+redis.call('HSET', k('weights:history'), version, cjson.encode({uri = ARGV[4], checksum = ARGV[5]}))
 redis.call('PUBLISH', ARGV[7], cjson.encode({version = version, uri = ARGV[4], checksum = ARGV[5], lineage = lin, published_ms = NOW}))
 stat('published_versions')
 return {version, lin, NOW}

@@ -8,8 +8,14 @@ local cur = clock()
 if version > cur then
   return err('BAD_REQUEST', 'recover to version ' .. version .. ' is ahead of the clock ' .. cur .. ' (the clock moves forward only by publish)')
 end
-if version < cur and uri == '' then
-  return err('BAD_REQUEST', 'rewinding the clock from ' .. cur .. ' to ' .. version .. ' needs the uri and checksum of the checkpoint weights')
+if version < cur and uri == '' and version > 0 then
+  -- no uri given: announce the weights published for this version (weights:history)
+  local h = redis.call('HGET', k('weights:history'), version)
+  if not h then
+    return err('BAD_REQUEST', 'rewinding the clock from ' .. cur .. ' to ' .. version .. ': no weights were published for version ' .. version .. '; pass the uri and checksum of the checkpoint weights')
+  end
+  local d = cjson.decode(h)
+  uri, checksum = d.uri, d.checksum
 end
 local committed = tonumber(redis.call('GET', k('committed_step')) or '-1')
 if step < committed then
@@ -44,6 +50,9 @@ if version < cur then
     'lineage', lin, 'published_ms', NOW)
   redis.call('PUBLISH', ARGV[16], cjson.encode({version = version, uri = uri, checksum = checksum, lineage = lin, published_ms = NOW}))
   stat('rewinds')
+  for _, hv in ipairs(redis.call('HKEYS', k('weights:history'))) do
+    if tonumber(hv) > version then redis.call('HDEL', k('weights:history'), hv) end
+  end
 end
 -- 3. a new lineage: revoke every lease (claims of the old lineage are fenced), and parked
 -- samples become resumable (their budget windows restart)
