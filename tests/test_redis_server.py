@@ -226,4 +226,4 @@ def test_asyncrl_redis_command_without_binary_exits_nonzero(tmp_path):
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=20)
     assert proc.returncode == 1, err
-    assert "no redis-server found" in err
+    assert "no redis-server >= 6.2 found" in err
