@@ -144,10 +144,14 @@ def main(argv: list[str]) -> int:
     if isinstance(cfg, int):
         return cfg
     from asyncrl.models import ModelError
+    from asyncrl.tasks import TaskError
     from buffers.errors import BufferError
 
     try:
         return asyncio.run(_run(cfg))
+    except TaskError as exc:  # a configuration problem: restarting cannot fix it
+        print(f"asyncrl feeder: {exc}", file=sys.stderr)
+        return 2
     except FeederError as exc:
         print(f"asyncrl feeder: {exc}", file=sys.stderr)
         return 1

@@ -77,6 +77,8 @@ class RoleSpec:
             servers: the buffer reclaims their claimed work; and for the trainer: it resumes from
             its checkpoint and the buffer rewinds).
         max_restarts: restarts allowed over the run; one more failure is final.
+        fatal_exit_codes: exit statuses that are never restarted (e.g. 2: bad configuration,
+            which a restart cannot fix).
         restart_delay_seconds: wait before a restart (lets ports and leases clear).
         stop_order: children stop in ascending order (equal values stop together).
         stop_grace_seconds: how long a child may drain after SIGTERM before SIGKILL.
@@ -95,6 +97,7 @@ class RoleSpec:
     gpus: list[int] | None = None
     restart: bool = False
     max_restarts: int = 3
+    fatal_exit_codes: tuple[int, ...] = ()
     restart_delay_seconds: float = 1.0
     stop_order: int = 0
     stop_grace_seconds: float = 30.0
@@ -363,7 +366,8 @@ class Supervisor:
             reason = "unhealthy" if child.killed_unhealthy else "exited"
             child.killed_unhealthy = False
             failed = rc != 0 or reason != "exited"
-            restart = failed and child.spec.restart and child.restarts < child.spec.max_restarts
+            restart = (failed and child.spec.restart and child.restarts < child.spec.max_restarts
+                       and rc not in child.spec.fatal_exit_codes)
             if restart:
                 child.restarts += 1
                 child.restart_at = now + child.spec.restart_delay_seconds

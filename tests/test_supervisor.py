@@ -86,6 +86,14 @@ def test_restartable_role_is_restarted_then_gives_up(tmp_path):
         assert "(attempt 3)" in log and "attempt 0" in log  # restarts append to the same log
 
 
+def test_fatal_exit_code_is_not_restarted(tmp_path):
+    with Supervisor(tmp_path) as sup:
+        sup.start(RoleSpec("trainer", py("import sys; print('bad config'); sys.exit(2)"), restart=True,
+                           fatal_exit_codes=(2,)))
+        [ev] = poll_until_event(sup)
+        assert ev.returncode == 2 and not ev.restarted and "bad config" in ev.log_tail
+
+
 def test_clean_exit_is_not_restarted(tmp_path):
     with Supervisor(tmp_path) as sup:
         sup.start(RoleSpec("trainer", py("print('done')"), restart=True))

@@ -1,0 +1,816 @@
+"""``asyncrl train``: asynchronous partial-rollout RL end to end on one machine.
+
+The controller runs every role as its own process, exactly as a cluster would (ARCHITECTURE §1):
+
+1. resolves the config (flags > ``ASYNCRL_*`` > YAML > defaults) and writes it to
+   ``<run_dir>/config.yaml``;
+2. starts the embedded Redis (AOF in ``<run_dir>/redis``) unless ``--redis_url`` is given;
+3. starts ``rollout.num_servers`` rollout servers (``asyncrl rollout-server``: embedded engine +
+   rollout worker, one port each), the trainer (``asyncrl trainer``, under ``torchrun`` when
+   ``trainer.world_size > 1``) and the prompt feeder (``python -m asyncrl.feeder``);
+4. supervises them (:mod:`asyncrl.supervisor`): a role that dies is reported with its last log
+   lines and restarted (rollout servers, feeder: the buffer reclaims their work / the cursor is
+   in Redis; trainer: it resumes from its checkpoint and the buffer rewinds), up to a few
+   times; a role that exits with status 2 (bad configuration) or keeps dying stops the run;
+5. shows live progress (:mod:`asyncrl.progress`), logs its own metrics (buffer depth by state,
+   partial ratio, rollout tokens/s, version clock) and forwards every role's JSONL records to
+   TensorBoard/W&B (:mod:`asyncrl.tracking`);
+6. runs the held-out evaluation every ``monitoring.eval_interval`` trainer steps (and once
+   before training and once at the end) on the newest published weights, with every role
+   paused (SIGSTOP) so that evaluation uses all cores and its time is excluded from the
+   training wall clock (reported separately as ``time/eval_seconds``);
+7. stops when the trainer finishes ``run.total_steps``, after ``run.max_wall_seconds`` of
+   training wall time, or on Ctrl-C/SIGTERM: SIGTERM to the feeder, then the rollout servers
+   (they park their partial samples), then the trainer (it checkpoints), then Redis; exit 0.
+   A second Ctrl-C kills everything at once.
+
+``--resume RUN_DIR`` continues a run: the config comes from ``RUN_DIR/config.yaml`` (flags
+still override, e.g. ``--total_steps``), Redis restarts on the same AOF, the feeder continues
+from the dataset cursor stored in Redis (no prompt repeated or skipped), the trainer from its
+newest checkpoint, and the training wall clock from where it stopped. Starting a new run in an
+existing run directory is refused unless ``--overwrite`` is given.
+
+**Default core split** (``resources.rollout_cores``/``trainer_cores`` override it): with the
+asynchronous knobs on, the trainer gets the upper half of the cores (at least one) and the
+rollout servers the rest, split evenly between servers — on 2 cores: rollout core 0,
+trainer core 1. A synchronous config (``p = 1``, ``M ≥ max_response_len``, ``η = 0``) gives
+every role all cores, since generation and training alternate. The feeder and controller are
+light and not pinned; each role's torch threads = its number of cores.
+
+Run directory: ``config.yaml``, ``clock.json``, ``run_state.json`` (status, step, wall
+seconds), ``metrics-<role>.jsonl``, ``logs/<role>.log``, ``redis/``, ``checkpoints/``,
+``weights/``, ``eval/step-<k>.json``.
+
+Simplified: one machine; attached SGLang servers (``rollout.server_urls``) get one rollout
+server role each with that URL; the rollout roles' idle ratios come from their own metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Assignment",
+    "assign_resources",
+    "normalize_trainer_record",
+    "parse_controller_flags",
+    "resolve_run",
+    "main",
+]
+
+USAGE = """usage: asyncrl train --config FILE [--FIELD VALUE ...] [--resume RUN_DIR] [--overwrite]
+
+  --resume RUN_DIR   continue the run in RUN_DIR (its config.yaml; flags override, e.g. --total_steps)
+  --overwrite        delete an existing run directory of the same name and start afresh
+Every config field is a flag (`asyncrl config show --help`); the headline ones are
+--partial_percent P --max_budget M --max_staleness ETA."""
+
+#: Exit statuses of roles that restarting cannot fix (argument/config errors).
+FATAL_EXIT_CODES = (2,)
+#: Seconds between two buffer-stats polls (each costs a few Redis round trips per live group).
+STATS_INTERVAL_SECONDS = 2.0
+
+
+class ControllerError(RuntimeError):
+    """The run cannot start or continue (the message says what to fix)."""
+
+
+class _ForceStop(BaseException):
+    """Second Ctrl-C while stopping: kill everything now."""
+
+
+# ----------------------------------------------------------------------------------------------
+# flags, run directory, resources
+
+
+def parse_controller_flags(argv: list[str]) -> tuple[Path | None, bool, list[str]]:
+    """Split ``--resume RUN_DIR`` and ``--overwrite`` from the config flags.
+
+    Returns:
+        ``(resume_dir, overwrite, remaining argv)``.
+
+    Raises:
+        ControllerError: ``--resume`` without a directory, or with ``--overwrite``.
+    """
+    resume: Path | None = None
+    overwrite = False
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--resume" or a.startswith("--resume="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not value or value.startswith("--"):
+                raise ControllerError("--resume needs the run directory, e.g. --resume runs/tiny")
+            resume = Path(value)
+            i += 1 if "=" in a else 2
+            continue
+        if a == "--overwrite":
+            overwrite = True
+            i += 1
+            continue
+        rest.append(a)
+        i += 1
+    if resume is not None and overwrite:
+        raise ControllerError("--resume and --overwrite contradict each other: choose one")
+    return resume, overwrite, rest
+
+
+def resolve_run(argv: list[str]) -> tuple[Any, bool] | int:
+    """The run's config and whether it resumes, from ``asyncrl train``'s argv.
+
+    Returns:
+        ``(config, resumed)``, or an exit code after printing help or an error.
+    """
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_cli import config_help
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\n\n" + config_help("train"))
+        return 0
+    try:
+        resume, overwrite, rest = parse_controller_flags(argv)
+        if resume is not None:
+            cfg_path = resume / "config.yaml"
+            if not cfg_path.exists():
+                raise ControllerError(f"--resume {resume}: no config.yaml there; is it a run directory of `asyncrl train`?")
+            if "--config" in rest or any(a.startswith("--config=") for a in rest):
+                raise ControllerError("--resume takes the config from RUN_DIR/config.yaml: drop --config")
+            overrides = {"run": {"output_dir": str(resume.parent), "name": resume.name}}
+            cfg = load_config(["--config", str(cfg_path), *rest], overrides=overrides)
+            return cfg, True
+        cfg = load_config(rest)
+    except (ControllerError, ConfigError) as exc:
+        print(f"asyncrl train: {exc}", file=sys.stderr)
+        return 2
+    run_dir = cfg.run.run_dir
+    if (run_dir / "config.yaml").exists():
+        if not overwrite:
+            print(f"asyncrl train: run directory {run_dir} holds a previous run: continue it with "
+                  f"--resume {run_dir}, start another with --run_name NEW, or replace it with --overwrite",
+                  file=sys.stderr)
+            return 2
+        shutil.rmtree(run_dir)
+    return cfg, False
+
+
+@dataclass
+class Assignment:
+    """Cores and GPUs of each role (None: not pinned / not set).
+
+    Attributes:
+        rollout_cores: one core list per rollout server.
+        trainer_cores: cores shared by the trainer ranks.
+        rollout_gpus: one GPU list per rollout server.
+        trainer_gpus: GPUs of the trainer ranks.
+        eval_threads: torch threads of the held-out evaluation (all cores; roles are paused).
+    """
+
+    rollout_cores: list[list[int] | None]
+    trainer_cores: list[int] | None
+    rollout_gpus: list[list[int] | None]
+    trainer_gpus: list[int] | None
+    eval_threads: int
+
+    def describe(self) -> str:
+        """One line for the log: ``rollout-0 cores [0]; trainer cores [1]``."""
+        parts = [f"rollout-{i} cores {c if c is not None else 'all'}" for i, c in enumerate(self.rollout_cores)]
+        parts.append(f"trainer cores {self.trainer_cores if self.trainer_cores is not None else 'all'}")
+        if self.trainer_gpus is not None:
+            parts.append(f"trainer gpus {self.trainer_gpus}")
+        if any(g is not None for g in self.rollout_gpus):
+            parts.append("rollout gpus " + ", ".join(str(g) for g in self.rollout_gpus))
+        return "; ".join(parts)
+
+
+def assign_resources(cfg: Any, available: list[int] | None = None, num_rollout: int | None = None) -> Assignment:
+    """Split cores (and GPUs) between the roles; see the module docstring for the default.
+
+    Args:
+        cfg: the run config (``resources.*``, ``rollout.num_servers``, the three knobs).
+        available: usable core ids (default: this process's affinity).
+        num_rollout: rollout server processes (default: ``len(server_urls)`` or ``num_servers``).
+
+    Raises:
+        ControllerError: a configured core is not available, or a role got an empty list.
+    """
+    from asyncrl.supervisor import split_cores
+
+    cores = sorted(available if available is not None else os.sched_getaffinity(0))
+    n = num_rollout or (len(cfg.rollout.server_urls) or cfg.rollout.num_servers)
+    res = cfg.resources
+    for name in ("rollout_cores", "trainer_cores"):
+        chosen = getattr(res, name)
+        if chosen is not None:
+            missing = sorted(set(chosen) - set(cores))
+            if not chosen or missing:
+                raise ControllerError(f"resources.{name}={chosen}: cores {missing or chosen} are not available "
+                                      f"(this machine offers {cores})")
+    if res.rollout_cores is not None or res.trainer_cores is not None:
+        rollout = res.rollout_cores or cores
+        trainer = res.trainer_cores or cores
+    elif cfg.is_synchronous or len(cores) == 1:
+        rollout, trainer = cores, cores
+    else:
+        k = max(1, len(cores) // 2)
+        trainer, rollout = cores[-k:], cores[:-k]
+    rollout_gpus: list[list[int] | None] = [None] * n
+    if res.rollout_gpus is not None:
+        rollout_gpus = [list(g) for g in split_cores(list(res.rollout_gpus), n)] if res.rollout_gpus else [[]] * n
+    return Assignment(
+        rollout_cores=[list(c) for c in split_cores(list(rollout), n)],
+        trainer_cores=list(trainer),
+        rollout_gpus=rollout_gpus,
+        trainer_gpus=list(res.trainer_gpus) if res.trainer_gpus is not None else None,
+        eval_threads=len(cores),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer's step records -> the metric naming scheme of asyncrl.tracking
+
+_PHASES = ("wait_batch", "forward_backward", "optim_step", "publish_weights", "checkpoint")
+
+
+def normalize_trainer_record(rec: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """Map a trainer step record (``trainer.loop``'s flat keys) to ``group/name`` metrics.
+
+    ``reward_*`` → ``reward/*``, ``staleness_*`` → ``staleness/*``, ``*_seconds`` →
+    ``time/*_seconds``, ``version`` → ``policy/version``, the rest → ``train/*``; adds
+    ``time/step_seconds`` (sum of the phases), ``idle_ratio/trainer`` (``wait_batch`` share of
+    the step) and ``train/tokens_per_second`` (processed tokens per busy second).
+
+    Returns:
+        ``(step, metrics)``.
+    """
+    step = int(rec.get("step", 0))
+    out: dict[str, float] = {}
+    for key, value in rec.items():
+        if key == "step" or "/" in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if key.startswith("reward_"):
+            out["reward/" + key[len("reward_"):]] = value
+        elif key.startswith("staleness_"):
+            out["staleness/" + key[len("staleness_"):]] = value
+        elif key.endswith("_seconds"):
+            out["time/" + key] = value
+        elif key == "version":
+            out["policy/version"] = value
+        else:
+            out["train/" + key] = value
+    phases = [float(rec[f"{p}_seconds"]) for p in _PHASES if isinstance(rec.get(f"{p}_seconds"), (int, float))]
+    if phases:
+        total = sum(phases)
+        out["time/step_seconds"] = total
+        wait = float(rec.get("wait_batch_seconds", 0.0))
+        if total > 0:
+            out["idle_ratio/trainer"] = wait / total
+            busy = total - wait
+            if busy > 0 and isinstance(rec.get("processed_tokens"), (int, float)):
+                out["train/tokens_per_second"] = float(rec["processed_tokens"]) / busy
+    return step, out
+
+
+class _TrainerTail:
+    """Reads ``<run_dir>/metrics/*.jsonl`` (the trainer's step records) incrementally."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir / "metrics"
+        self.offsets: dict[Path, int] = {}
+
+    def skip_existing(self) -> None:
+        for path in sorted(self.dir.glob("*.jsonl")) if self.dir.exists() else []:
+            self.offsets[path] = path.stat().st_size
+
+    def read_new(self) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        if not self.dir.exists():
+            return out
+        for path in sorted(self.dir.glob("*.jsonl")):
+            start = self.offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+            end = data.rfind(b"\n")
+            if end < 0:
+                continue
+            self.offsets[path] = start + end + 1
+            for line in data[: end + 1].decode("utf-8", errors="replace").splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and "role" not in rec:
+                    out.append((path.stem, rec))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# buffer observation
+
+
+class _BufferWatcher:
+    """Turns ``ReplayBuffer.stats()`` into controller metrics; tracks multi-version samples.
+
+    A sample is *multi-version* when its tokens were produced under two or more policy
+    versions: it was parked (budget or abort) and resumed after a weight update. The watcher
+    inspects each group once it is READY or BATCHED (group ids are the feeder's ``p<cursor>``).
+    """
+
+    def __init__(self, buf: Any) -> None:
+        self.buf = buf
+        self.tokens_window: deque[tuple[float, int]] = deque()
+        self.inspected: set[str] = set()
+        self.next_unfinished = 0
+        self.multi_version_samples = 0
+        self.resumed_samples = 0
+        self.last_stats: dict[str, Any] = {}
+
+    async def _inspect_groups(self, cursor: int) -> None:
+        from asyncrl.feeder import group_id_for
+        from buffers.errors import UnknownItem
+
+        first_open: int | None = None
+        for c in range(self.next_unfinished, cursor):
+            gid = group_id_for(c)
+            if gid in self.inspected:
+                continue
+            try:
+                group, samples = await self.buf.get_group(gid)
+            except UnknownItem:
+                self.inspected.add(gid)  # committed and deleted before we looked
+                continue
+            if str(getattr(group.state, "value", group.state)) in ("ready", "batched", "acked", "committed"):
+                self.inspected.add(gid)
+                for s in samples:
+                    self.multi_version_samples += len(set(s.versions)) > 1
+                    self.resumed_samples += s.num_resumes > 0
+            elif first_open is None:
+                first_open = c
+        self.next_unfinished = first_open if first_open is not None else cursor
+        self.inspected = {g for g in self.inspected if int(g[1:]) >= self.next_unfinished}
+
+    async def poll(self, wall_seconds: float) -> dict[str, float]:
+        st = await self.buf.stats()
+        self.last_stats = st
+        counters = st.get("counters", {})
+        m: dict[str, float] = {
+            "policy/version": st["version"],
+            "policy/lineage": st["lineage"],
+            "buffer/dataset_cursor": st["dataset_cursor"],
+            "buffer/partial_ratio": st["partial_ratio"],
+            "buffer/drops": sum(st.get("dropped_by_reason", {}).values()),
+            "buffer/restarts": sum(v for k, v in counters.items() if k.startswith("restarted_samples:")),
+            "buffer/group_restarts": sum(v for k, v in counters.items() if k.startswith("restarted_groups:")),
+            "buffer/parked_budget": counters.get("parked_budget", 0),
+            "buffer/parked_abort": counters.get("parked_abort", 0),
+            "buffer/idle_resumes": counters.get("idle_resumes", 0),
+            "buffer/appended_tokens": counters.get("appended_tokens", 0),
+            "buffer/acked_groups": counters.get("acked_groups", 0),
+        }
+        for state, count in st.get("groups_by_state", {}).items():
+            m[f"buffer/groups_{state}"] = count
+        for state, count in st.get("samples_by_state", {}).items():
+            m[f"buffer/samples_{state}"] = count
+        for reason, count in st.get("dropped_by_reason", {}).items():
+            m[f"buffer/drops_{reason}"] = count
+        hist = {int(k): v for k, v in st.get("staleness_histogram", {}).items()}
+        if hist:
+            m["staleness/max_ready"] = max(hist)
+        tokens = int(counters.get("appended_tokens", 0))
+        self.tokens_window.append((wall_seconds, tokens))
+        while len(self.tokens_window) > 2 and wall_seconds - self.tokens_window[0][0] > 10.0:
+            self.tokens_window.popleft()
+        (w0, t0), (w1, t1) = self.tokens_window[0], self.tokens_window[-1]
+        if w1 > w0:
+            m["rollout/tokens_per_second"] = max(0.0, (t1 - t0) / (w1 - w0))
+        await self._inspect_groups(int(st["dataset_cursor"]))
+        m["buffer/multi_version_samples"] = self.multi_version_samples
+        m["buffer/resumed_samples"] = self.resumed_samples
+        return m
+
+
+# ----------------------------------------------------------------------------------------------
+# the controller
+
+
+class Controller:
+    """One ``asyncrl train`` session (see the module docstring)."""
+
+    def __init__(self, cfg: Any, resumed: bool) -> None:
+        self.cfg = cfg
+        self.resumed = resumed
+        self.run_dir = Path(cfg.run.run_dir)
+        self.cfg_path = self.run_dir / "config.yaml"
+        self.state_path = self.run_dir / "run_state.json"
+        self.stopping = False
+        self.stop_reason = ""
+        self.signals = 0
+        self.blocking_stop = False
+        self.trainer_step = 0
+        self.last_eval_step: int | None = None
+        self.eval_seconds_total = 0.0
+        self.role_restarts = 0
+        self.redis = None
+        self.redis_url = ""
+        self.failed: str | None = None
+
+    # -- signals --------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            self.stopping = True
+            self.stop_reason = f"{signal.Signals(signum).name} received"
+            print(f"\nasyncrl train: {self.stop_reason}: stopping the roles in order "
+                  "(rollout servers park partials, the trainer checkpoints); again to kill", file=sys.stderr)
+        elif self.blocking_stop:
+            raise _ForceStop()
+        else:
+            self.stopping = True
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write_state(self, status: str) -> None:
+        state = self._read_state()
+        state.update(status=status, step=self.trainer_step, wall_seconds=round(self.clock.wall_seconds(), 3),
+                     eval_seconds=round(self.eval_seconds_total + state.get("eval_seconds_before", 0.0), 3),
+                     updated_unix=time.time())
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self.state_path)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _prepare_run_dir(self) -> None:
+        from asyncrl.config import dump_config
+        from asyncrl.tracking import RunClock
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(self.cfg, self.cfg_path)
+        previous = self._read_state()
+        sessions = int(previous.get("sessions", 0)) + 1
+        before_wall = float(previous.get("wall_seconds", 0.0)) if self.resumed else 0.0
+        self.eval_before = float(previous.get("eval_seconds", 0.0)) if self.resumed else 0.0
+        self.trainer_step = int(previous.get("step", 0)) if self.resumed else 0
+        self.clock = RunClock.start(self.run_dir, previous_wall_seconds=before_wall)
+        state = {"sessions": sessions, "eval_seconds_before": self.eval_before}
+        self.state_path.write_text(json.dumps(state))
+        self._write_state("starting")
+
+    def _start_redis(self) -> None:
+        if self.cfg.buffer.redis_url:
+            self.redis_url = self.cfg.buffer.redis_url
+            return
+        from asyncrl.redis_server import RedisServer
+
+        port = None
+        if self.redis is not None:
+            port = self.redis.port  # restart on the same port and password (children keep their URL)
+        password = self.redis.password if self.redis is not None else self.cfg.security.redis_password
+        self.redis = RedisServer(self.run_dir / "redis", port=port, password=password).start()
+        self.redis_url = self.redis.url
+
+    def _child_env(self) -> dict[str, str]:
+        from asyncrl.tracking import SINKS_ENV
+
+        env = {
+            "ASYNCRL_BUFFER__REDIS_URL": self.redis_url,
+            SINKS_ENV: "jsonl",  # the controller forwards records to TensorBoard/W&B (one run)
+            "TOKENIZERS_PARALLELISM": "false",
+            "ASYNCRL_RUN_DIR": str(self.run_dir),
+        }
+        if not self._has_gpus():
+            env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
+        return env
+
+    def _has_gpus(self) -> bool:
+        return bool(self.cfg.resources.trainer_gpus or self.cfg.resources.rollout_gpus)
+
+    def role_specs(self, assignment: Assignment) -> list[Any]:
+        """The feeder, rollout server and trainer :class:`~asyncrl.supervisor.RoleSpec` s."""
+        from asyncrl.redis_server import free_port
+        from asyncrl.supervisor import RoleSpec, http_health_check, role_command
+
+        cfg, env = self.cfg, self._child_env()
+        cfg_arg = ["--config", str(self.cfg_path)]
+        specs = [RoleSpec("feeder", [sys.executable, "-m", "asyncrl.feeder", *cfg_arg],
+                          env={**env, "OMP_NUM_THREADS": "1"}, restart=True, stop_order=0,
+                          fatal_exit_codes=FATAL_EXIT_CODES,
+                          stop_grace_seconds=10.0)]
+        urls = list(cfg.rollout.server_urls)
+        for i, cores in enumerate(assignment.rollout_cores):
+            renv = dict(env)
+            if urls:
+                renv["ASYNCRL_ROLLOUT__SERVER_URLS"] = json.dumps([urls[i]])
+                health = http_health_check(urls[i].rstrip("/") + "/health")
+            else:
+                port = cfg.rollout.base_port + i
+                if not _port_free(cfg.rollout.host, port):
+                    port = free_port(cfg.rollout.host)
+                renv["ASYNCRL_ROLLOUT__BASE_PORT"] = str(port)
+                renv["ASYNCRL_ROLLOUT__NUM_SERVERS"] = "1"
+                health = http_health_check(f"http://{cfg.rollout.host}:{port}/health")
+            if cores is not None and cfg.rollout.engine_threads is None:
+                renv["ASYNCRL_ROLLOUT__ENGINE_THREADS"] = str(len(cores))
+            renv["ASYNCRL_ROLLOUT_SERVER_INDEX"] = str(i)
+            specs.append(RoleSpec(f"rollout-{i}", role_command("rollout-server", *cfg_arg), env=renv, cores=cores,
+                                  gpus=assignment.rollout_gpus[i], restart=True, stop_order=1,
+                                  fatal_exit_codes=FATAL_EXIT_CODES,
+                                  stop_grace_seconds=30.0, health_check=health, health_interval_seconds=5.0,
+                                  health_failures=6))
+        tenv = dict(env)
+        world = cfg.trainer.world_size
+        if world > 1:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                    "-m", "asyncrl.cli", "trainer", *cfg_arg]
+            if assignment.trainer_cores is not None:
+                tenv["OMP_NUM_THREADS"] = str(max(1, len(assignment.trainer_cores) // world))
+        else:
+            argv = role_command("trainer", *cfg_arg)
+        specs.append(RoleSpec("trainer", argv, env=tenv, cores=assignment.trainer_cores, gpus=assignment.trainer_gpus,
+                               restart=True, max_restarts=2, restart_delay_seconds=2.0, stop_order=2,
+                               fatal_exit_codes=FATAL_EXIT_CODES,
+                               stop_grace_seconds=180.0))
+        return specs
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    async def _latest_weights(self, buf: Any) -> tuple[str, int]:
+        """(model directory, policy version) of the newest published weights; the base model at version 0."""
+        ann = await buf.clock.latest() if buf is not None else None
+        if ann is not None and ann.uri and Path(ann.uri).is_dir():
+            return ann.uri, int(ann.version)
+        weights_dir = Path(self.cfg.weight_sync.dir or self.run_dir / "weights")
+        if ann is not None and weights_dir.is_dir():
+            cands = sorted((p for p in weights_dir.iterdir() if p.is_dir() and (p / "config.json").exists()),
+                           key=lambda p: p.stat().st_mtime)
+            if cands:
+                return str(cands[-1]), int(ann.version)
+        return self.cfg.model.path, 0
+
+    async def _evaluate(self, buf: Any, sup: Any, assignment: Assignment) -> None:
+        """Held-out evaluation of the newest weights with every role paused; logs ``eval/*``."""
+        cfg = self.cfg
+        model, version = await self._latest_weights(buf)
+        self.progress.set_status("evaluating")
+        self.progress.refresh()
+        if sup is not None:
+            sup.pause()
+        start = time.monotonic()
+        out_dir = self.run_dir / "eval"
+        out_dir.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(self.cfg_path), "--model", model,
+               "--num_problems", str(cfg.monitoring.eval_num_problems), "--json",
+               "--threads", str(assignment.eval_threads)]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, "ASYNCRL_BUFFER__REDIS_URL": self.redis_url})
+            stdout, stderr = await proc.communicate()
+        finally:
+            seconds = time.monotonic() - start
+            if sup is not None:
+                self.clock.add_pause(seconds)
+                sup.resume()
+            self.eval_seconds_total += seconds
+            self.progress.set_status("training")
+        self.last_eval_step = self.trainer_step
+        metrics: dict[str, float] = {"time/eval_seconds": self.eval_before + self.eval_seconds_total,
+                                     "eval/eval_seconds": seconds, "eval/policy_version": version}
+        if proc.returncode != 0:
+            print(f"asyncrl train: held-out evaluation failed (status {proc.returncode}); training goes on:\n"
+                  + stderr.decode(errors="replace")[-2000:], file=sys.stderr)
+            metrics["eval/failed"] = 1
+        else:
+            results = json.loads(stdout.decode())
+            (out_dir / f"step-{self.trainer_step}.json").write_text(json.dumps(
+                {"step": self.trainer_step, "policy_version": version, "model": model, "results": results}, indent=1))
+            for r in results:
+                if r["mode"] == "sampled":
+                    metrics.update({"eval/accuracy_sampled": r["accuracy"], "eval/ci95_low": r["accuracy_ci_low"],
+                                    "eval/ci95_high": r["accuracy_ci_high"],
+                                    "eval/format_compliance": r["format_compliance"], "eval/num_problems": r["n"]})
+                else:
+                    metrics.update({"eval/accuracy_greedy": r["accuracy"],
+                                    "eval/greedy_ci95_low": r["accuracy_ci_low"],
+                                    "eval/greedy_ci95_high": r["accuracy_ci_high"]})
+        self._log(metrics)
+
+    # -- logging --------------------------------------------------------------------------------
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        rec = self.logger.log(self.trainer_step, metrics)
+        self.progress.update(rec)
+
+    def _forward_children(self) -> None:
+        for role, raw in self.trainer_tail.read_new():
+            step, metrics = normalize_trainer_record(raw)
+            self.trainer_step = max(self.trainer_step, step)
+            rec = self.trainer_logger.log(step, metrics)
+            self.logger.forward(rec)
+            self.progress.update(rec)
+        for rec in self.tail.read_new():
+            if rec.get("role") == "trainer" and isinstance(rec.get("step"), int):
+                self.trainer_step = max(self.trainer_step, rec["step"])
+            self.logger.forward(rec)
+            self.progress.update(rec)
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def _handle_exits(self, events: list[Any]) -> bool:
+        """Report role exits; returns True when the run is over (trainer done, or a fatal failure)."""
+        over = False
+        for ev in events:
+            if ev.restarted:
+                self.role_restarts += 1
+                print(f"asyncrl train: {ev.describe()}", file=sys.stderr)
+                self._log({"supervisor/restarts": self.role_restarts})
+                continue
+            if ev.name == "trainer" and not ev.failed:
+                self.stop_reason = f"the trainer finished (step {self.trainer_step})"
+                over = True
+                continue
+            if ev.failed or ev.name == "trainer":
+                self.failed = ev.describe()
+                self.stop_reason = f"role {ev.name!r} failed"
+                print(f"asyncrl train: {self.failed}\nasyncrl train: stopping the run "
+                      f"(full log: {self.run_dir / 'logs' / (ev.name + '.log')})", file=sys.stderr)
+                over = True
+            else:
+                # a rollout server or the feeder exiting 0 on its own (e.g. attached server gone)
+                self.failed = f"role {ev.name!r} exited on its own. Last log lines:\n{ev.log_tail}"
+                self.stop_reason = f"role {ev.name!r} exited on its own"
+                print(f"asyncrl train: {self.failed}", file=sys.stderr)
+                over = True
+        return over
+
+    async def run(self) -> int:
+        from asyncrl.progress import Progress
+        from asyncrl.redis_server import RedisServerError
+        from asyncrl.supervisor import Supervisor, SupervisorError
+        from asyncrl.tracking import MetricsLogger, MetricsTail, TrackingError
+
+        cfg = self.cfg
+        self._prepare_run_dir()
+        try:
+            assignment = assign_resources(cfg)
+            self.logger = MetricsLogger(self.run_dir, cfg.monitoring, role="controller",
+                                        config=cfg.model_dump(mode="json"))
+        except (ControllerError, TrackingError) as exc:
+            print(f"asyncrl train: {exc}", file=sys.stderr)
+            return 2
+        self.trainer_logger = MetricsLogger(self.run_dir, None, role="trainer")
+        self.tail = MetricsTail(self.run_dir, skip_roles=["controller", "trainer"])
+        self.trainer_tail = _TrainerTail(self.run_dir)
+        if self.resumed:
+            self.tail.seek_to_end()
+            self.trainer_tail.skip_existing()
+        self.progress = Progress(cfg.run.total_steps, cfg.run.name, cfg.buffer.max_staleness,
+                                 live=None if cfg.monitoring.progress else False)
+        print(f"asyncrl train: run {cfg.run.name!r} in {self.run_dir} ({'resumed' if self.resumed else 'new'}); "
+              f"{assignment.describe()}", file=sys.stderr)
+        sup = None
+        buf = None
+        status = "failed"
+        try:
+            try:
+                self._start_redis()
+            except RedisServerError as exc:
+                print(f"asyncrl train: {exc}", file=sys.stderr)
+                return 1
+            from buffers import BufferSettings, ReplayBuffer
+
+            buf = await ReplayBuffer.open(self.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
+            watcher = _BufferWatcher(buf)
+            self.progress.start()
+            eval_on = cfg.monitoring.eval_interval is not None
+            if eval_on and not self.resumed:
+                await self._evaluate(None, None, assignment)  # the base model, before any training
+            sup = Supervisor(self.run_dir / "logs")
+            for spec in self.role_specs(assignment):
+                sup.start(spec)
+            self.progress.set_status("training")
+            next_stats = 0.0
+            over = False
+            while not over and not self.stopping:
+                over = self._handle_exits(sup.poll())
+                self._forward_children()
+                if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
+                    print(f"asyncrl train: redis-server exited ({self.redis.proc.returncode}); restarting it on "
+                          f"its AOF: {self.redis.log_tail(5)}", file=sys.stderr)
+                    self._start_redis()
+                    self.role_restarts += 1
+                wall = self.clock.wall_seconds()
+                if time.monotonic() >= next_stats:
+                    next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
+                    try:
+                        self._log(await watcher.poll(wall))
+                    except (OSError, ConnectionError) as exc:  # Redis restarting: next poll
+                        print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
+                    self._write_state("running")
+                if eval_on and not over and self.trainer_step > 0 and \
+                        self.trainer_step % cfg.monitoring.eval_interval == 0 and self.last_eval_step != self.trainer_step:
+                    await self._evaluate(buf, sup, assignment)
+                if cfg.run.max_wall_seconds is not None and wall >= cfg.run.max_wall_seconds and not over:
+                    self.stop_reason = f"run.max_wall_seconds={cfg.run.max_wall_seconds:g} reached"
+                    over = True
+                self.progress.refresh()
+                if not over and not self.stopping:
+                    await asyncio.sleep(0.25)
+            status = "failed" if self.failed else ("finished" if "finished" in self.stop_reason else "stopped")
+            self.progress.set_status("stopping")
+            self.progress.refresh()
+            self.blocking_stop = True
+            codes = sup.stop_all()
+            self.blocking_stop = False
+            if codes.get("trainer", 0) not in (0, None) and status != "failed":
+                status = "failed"
+                self.failed = f"the trainer exited with status {codes['trainer']} while stopping:\n{sup.log_tail('trainer')}"
+                print(f"asyncrl train: {self.failed}", file=sys.stderr)
+            self._forward_children()
+            self._log(await watcher.poll(self.clock.wall_seconds()))
+            if eval_on and self.last_eval_step != self.trainer_step and status != "failed":
+                await self._evaluate(buf, None, assignment)
+            self._write_state(status)
+            self._summary(watcher, status)
+            return 1 if status == "failed" else 0
+        except _ForceStop:
+            print("asyncrl train: killed every role (second interrupt)", file=sys.stderr)
+            status = "killed"
+            return 1
+        except (SupervisorError, ControllerError) as exc:
+            print(f"asyncrl train: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            if sup is not None:
+                sup.kill_all()
+            if buf is not None:
+                await buf.close()
+            if self.redis is not None:
+                self.redis.stop()
+            try:
+                self._write_state(status)
+            except OSError:
+                pass
+            self.progress.stop()
+            self.logger.close()
+            self.trainer_logger.close()
+
+    def _summary(self, watcher: _BufferWatcher, status: str) -> None:
+        st = watcher.last_stats
+        reason = self.stop_reason or "stopped"
+        lines = [
+            f"asyncrl train: {status}: {reason}. step {self.trainer_step}/{self.cfg.run.total_steps}, "
+            f"policy version {st.get('version')}, training wall time {self.clock.wall_seconds():.0f} s "
+            f"(+{self.eval_seconds_total:.0f} s held-out evaluation)",
+            f"  buffer: groups by state {st.get('groups_by_state')}, dropped by reason {st.get('dropped_by_reason')}, "
+            f"multi-version samples {watcher.multi_version_samples}, role restarts {self.role_restarts}",
+            f"  run directory {self.run_dir}: `asyncrl report {self.run_dir}`; continue with "
+            f"`asyncrl train --resume {self.run_dir} --total_steps N`",
+        ]
+        print("\n".join(lines), file=sys.stderr)
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``asyncrl train``; returns the exit code (0 done or stopped, 1 failed, 2 bad config)."""
+    resolved = resolve_run(argv)
+    if isinstance(resolved, int):
+        return resolved
+    cfg, resumed = resolved
+    ctl = Controller(cfg, resumed)
+    previous = {s: signal.signal(s, ctl._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return asyncio.run(ctl.run())
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,137 @@
+"""``asyncrl train``: flags, run directories, core assignment, trainer metric names, failure handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import dump_config, load_config
+from asyncrl.controller import (
+    ControllerError,
+    assign_resources,
+    normalize_trainer_record,
+    parse_controller_flags,
+    resolve_run,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def test_parse_controller_flags():
+    assert parse_controller_flags(["--config", "c.yaml", "--max_budget", "8"]) == (None, False, ["--config", "c.yaml", "--max_budget", "8"])
+    assert parse_controller_flags(["--resume", "runs/x", "--total_steps", "9"]) == (Path("runs/x"), False, ["--total_steps", "9"])
+    assert parse_controller_flags(["--resume=runs/x"])[0] == Path("runs/x")
+    assert parse_controller_flags(["--overwrite", "--config", "c"])[1] is True
+    with pytest.raises(ControllerError, match="needs the run directory"):
+        parse_controller_flags(["--resume"])
+    with pytest.raises(ControllerError, match="needs the run directory"):
+        parse_controller_flags(["--resume", "--total_steps", "3"])
+    with pytest.raises(ControllerError, match="contradict"):
+        parse_controller_flags(["--resume", "r", "--overwrite"])
+
+
+def test_resolve_run_new_existing_resume(tmp_path, capsys):
+    args = ["--config", str(TINY), "--output_dir", str(tmp_path)]
+    cfg, resumed = resolve_run(args)
+    assert not resumed and cfg.run.run_dir == tmp_path / "tiny"
+    run_dir = cfg.run.run_dir
+    dump_config(cfg, run_dir / "config.yaml")
+    (run_dir / "marker").write_text("old")
+    assert resolve_run(args) == 2
+    assert f"--resume {run_dir}" in capsys.readouterr().err
+    cfg2, resumed = resolve_run([*args, "--overwrite"])
+    assert not resumed and not run_dir.exists()  # replaced
+    dump_config(cfg, run_dir / "config.yaml")
+    cfg3, resumed = resolve_run(["--resume", str(run_dir), "--total_steps", "9"])
+    assert resumed and cfg3.run.total_steps == 9 and cfg3.run.run_dir == run_dir
+    assert cfg3.rollout.max_budget == cfg.rollout.max_budget
+    assert resolve_run(["--resume", str(run_dir), "--config", str(TINY)]) == 2
+    assert "drop --config" in capsys.readouterr().err
+    assert resolve_run(["--resume", str(tmp_path / "nope")]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    assert resolve_run(["--config", str(TINY), "--max_budgett", "3"]) == 2
+    assert "unknown flag --max_budgett" in capsys.readouterr().err
+    assert resolve_run(["--help"]) == 0
+    assert "--resume RUN_DIR" in capsys.readouterr().out
+
+
+def test_resume_moved_run_dir_uses_its_new_place(tmp_path):
+    cfg = load_config(["--config", str(TINY), "--output_dir", str(tmp_path / "a")])
+    dump_config(cfg, tmp_path / "b" / "renamed" / "config.yaml")
+    cfg2, _ = resolve_run(["--resume", str(tmp_path / "b" / "renamed")])
+    assert cfg2.run.run_dir == tmp_path / "b" / "renamed" and cfg2.run.name == "renamed"
+
+
+def test_assign_resources_defaults_and_overrides():
+    async_cfg = load_config(["--config", str(TINY)])
+    a = assign_resources(async_cfg, available=[0, 1])
+    assert a.rollout_cores == [[0]] and a.trainer_cores == [1] and a.eval_threads == 2
+    assert "rollout-0 cores [0]; trainer cores [1]" == a.describe()
+    a = assign_resources(async_cfg, available=[0, 1, 2, 3, 4, 5], num_rollout=2)
+    assert a.trainer_cores == [3, 4, 5] and a.rollout_cores == [[0, 1], [2]]
+    a = assign_resources(async_cfg, available=[0])
+    assert a.trainer_cores == [0] and a.rollout_cores == [[0]]
+    sync_cfg = load_config(["--config", str(TINY), "--partial_percent", "1", "--max_budget", "48",
+                            "--max_staleness", "0"])
+    assert sync_cfg.is_synchronous
+    a = assign_resources(sync_cfg, available=[0, 1])
+    assert a.trainer_cores == [0, 1] and a.rollout_cores == [[0, 1]]
+    over = load_config(["--config", str(TINY), "--resources.trainer_cores", "[0]", "--resources.rollout_cores", "[0, 1]",
+                        "--resources.rollout_gpus", "[0, 1]", "--resources.trainer_gpus", "[2]"])
+    a = assign_resources(over, available=[0, 1])
+    assert a.trainer_cores == [0] and a.rollout_cores == [[0, 1]]
+    assert a.rollout_gpus == [[0, 1]] and a.trainer_gpus == [2]
+    bad = load_config(["--config", str(TINY), "--resources.trainer_cores", "[7]"])
+    with pytest.raises(ControllerError, match=r"resources.trainer_cores=\[7\].*offers \[0, 1\]"):
+        assign_resources(bad, available=[0, 1])
+
+
+def test_normalize_trainer_record():
+    step, m = normalize_trainer_record({
+        "step": 3.0, "reward_mean": 0.5, "reward_std": 0.1, "staleness_max": 2.0, "staleness_tokens_1": 10.0,
+        "loss": 0.25, "grad_norm": 1.5, "lr": 1e-4, "version": 3.0, "processed_tokens": 300.0,
+        "wait_batch_seconds": 1.0, "forward_backward_seconds": 2.0, "optim_step_seconds": 0.5,
+        "publish_weights_seconds": 0.5, "uri": "/x", "early_stopped": False,
+    })
+    assert step == 3
+    assert m["reward/mean"] == 0.5 and m["reward/std"] == 0.1
+    assert m["staleness/max"] == 2.0 and m["staleness/tokens_1"] == 10.0
+    assert m["train/loss"] == 0.25 and m["train/grad_norm"] == 1.5 and m["policy/version"] == 3.0
+    assert m["time/wait_batch_seconds"] == 1.0 and m["time/step_seconds"] == 4.0
+    assert m["idle_ratio/trainer"] == 0.25 and m["train/tokens_per_second"] == 100.0
+    assert "train/uri" not in m and "train/early_stopped" not in m
+
+
+@pytest.mark.integration
+def test_a_failing_role_stops_the_run_with_its_last_log_lines(tmp_path, tiny_model_dir):
+    """A feeder whose dataset file is missing exits 2 (not restartable): the run stops, exit 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(TINY), "--output_dir", str(tmp_path),
+           "--model_path", str(tiny_model_dir), "--data.task", "jsonl", "--data.path", str(tmp_path / "missing.jsonl"),
+           "--monitoring.progress", "false"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "role 'feeder' exited with status 2; not restarted. Last log lines:" in err
+    assert "missing.jsonl" in err  # the feeder's own message, from its log
+    run_dir = tmp_path / "tiny"
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "failed"
+    assert (run_dir / "logs" / "feeder.log").exists() and (run_dir / "config.yaml").exists()
+    assert _no_children_left(str(run_dir))
+
+
+def _no_children_left(run_dir: str) -> bool:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if run_dir in cmdline.read_bytes().decode(errors="replace"):
+                return False
+        except OSError:
+            continue
+    return True
