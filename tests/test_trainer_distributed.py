@@ -81,3 +81,36 @@ def test_two_ranks_equal_one_process_and_zero_stages_agree(launch_setup):
     # checkpoints and the resolved config were written; 2 ranks shared each batch
     assert (root / "runs" / "two" / "checkpoints" / "latest").read_text() == "step00000002"
     assert len(_losses(root, "two")) == 2
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_0(launch_setup, tmp_path):
+    import signal
+    import time
+
+    root, env, repo = launch_setup
+    batches = [make_groups(2, 700, seed=s) for s in range(200)]
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps(b) + "\n" for b in batches))
+    env = dict(env, ASYNCRL_TRAINER_BATCHES=str(path))
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "trainer", "--config", str(root / "cfg.yaml"),
+                             "--run.name", "term", "--run.total_steps", "200", "--trainer.checkpoint_interval", "1000"],
+                            env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        for line in proc.stdout:
+            if line.startswith("step step=2"):
+                break
+            assert time.time() < deadline, "trainer did not reach step 2"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest[-3000:]
+    assert "stopped because stopped" in rest
+    last = [ln for ln in rest.splitlines() if ln.startswith("step step=")]
+    final_step = int(float(last[-1].split()[1].split("=")[1])) if last else 2
+    ckpt = root / "runs" / "term" / "checkpoints"
+    assert (ckpt / "latest").read_text() == f"step{final_step:08d}"
+    meta = json.loads((ckpt / f"step{final_step:08d}" / "asyncrl.json").read_text())
+    assert meta["extra_state"] == {"cursor": final_step}  # the dataset cursor is saved with the step

@@ -90,6 +90,14 @@ def main(argv: list[str]) -> int:
     cfg = config_from_argv(argv, "trainer")
     if isinstance(cfg, int):
         return cfg
+    replay = os.environ.get("ASYNCRL_TRAINER_BATCHES")
+    if replay and not os.path.isfile(replay):
+        print(f"asyncrl trainer: ASYNCRL_TRAINER_BATCHES={replay} is not a file", file=sys.stderr)
+        return 2
+    if not replay and not cfg.buffer.redis_url:
+        print("asyncrl trainer: needs --buffer.redis_url (the run's Redis buffer), or "
+              "ASYNCRL_TRAINER_BATCHES=file.jsonl to replay recorded batches", file=sys.stderr)
+        return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
 
     from trainer.loop import FileBatchSource, install_signal_handlers, train_loop
@@ -107,7 +115,6 @@ def main(argv: list[str]) -> int:
     source = None
     try:
         if trainer.rank == 0:
-            replay = os.environ.get("ASYNCRL_TRAINER_BATCHES")
             try:
                 source = FileBatchSource(replay) if replay else trainer.run_async(BufferBatchSource.open(cfg, stop))
             except (ValueError, OSError) as exc:

@@ -123,3 +123,33 @@ def build_engine(model: Any, cfg: Any) -> Any:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=deepspeed_config(cfg))
     return engine
+
+
+PRESETS: dict[str, tuple[int, str]] = {
+    f"zero{stage}_{precision}": (stage, precision) for stage in (0, 2, 3) for precision in ("fp32", "bf16")
+}
+
+
+def preset_configs() -> dict[str, dict[str, Any]]:
+    """``configs/deepspeed/<name>.json`` contents: :func:`deepspeed_config` of the default config per preset."""
+    from asyncrl.config import load_config
+
+    out = {}
+    for name, (stage, precision) in PRESETS.items():
+        cfg = load_config([], environ={}, overrides={"trainer": {"zero_stage": stage, "precision": precision}})
+        out[name] = deepspeed_config(cfg)
+    return out
+
+
+def _write_presets(directory: str) -> None:
+    import json
+    from pathlib import Path
+
+    for name, data in preset_configs().items():
+        (Path(directory) / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":  # python -m trainer.engine configs/deepspeed
+    import sys
+
+    _write_presets(sys.argv[1] if len(sys.argv) > 1 else "configs/deepspeed")
