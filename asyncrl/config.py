@@ -223,7 +223,7 @@ class LossConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus coefficient."""
     mask_no_eos_with_zero: bool = False
-    """Zero the loss of samples that did not end with EOS (truncated)."""
+    """Give samples that did not end with EOS (truncated) reward 0 before advantage estimation (AReaL)."""
     mask_too_long: bool = False
     """Drop samples that reached ``max_response_len`` from the loss."""
     correction: Literal["decoupled", "tis", "mask_stale", "none"] = "decoupled"
