@@ -198,6 +198,8 @@ class ReplayBuffer:
             client = aioredis.Redis.from_url(redis, decode_responses=False, max_connections=max_connections)
         else:
             client = redis
+            if client.connection_pool.connection_kwargs.get("decode_responses"):
+                raise BadRequest("the buffer needs a redis client with decode_responses=False (arrays are packed bytes)")
         prefix = key_prefix(run)
         try:
             stored = await client.get(prefix + "schema")

@@ -89,6 +89,10 @@ async def test_open_creates_schema_and_rejects_other_settings(redis_url):
         await ReplayBuffer.open(redis_url, "nosuchrun")
     with pytest.raises(ValueError):
         await ReplayBuffer.open(redis_url, "bad{name}", settings())
+    decoding = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    with pytest.raises(BadRequest, match="decode_responses"):
+        await ReplayBuffer.open(decoding, "t")
+    await decoding.aclose()
     await ro.close()
     await buf.close()
 
@@ -653,3 +657,23 @@ async def test_concurrent_appends_are_coalesced_with_independent_errors(redis_ur
     assert all(isinstance(r, Exception) and not isinstance(r, LeaseLost) for r in results)
     redis_server.start()
     await buf.close()
+
+
+def test_cli_inspect_decodes_text_with_tokenizer(redis_url, tiny_model_dir, capsys):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok.encode("12 + 30 = 42")
+
+    async def setup():
+        buf = await open_buf(redis_url, n_samples_per_prompt=1)
+        await feed(buf, 1)
+        [it] = await buf.claim("w", 1)
+        await buf.end_segment(it, "stop", ids, [-0.5] * len(ids), [0] * len(ids))
+        await buf.close()
+
+    asyncio.run(setup())
+    assert cli_main(["inspect", "g0/0", "--redis_url", redis_url, "--run", "t", "--json",
+                     "--tokenizer", str(tiny_model_dir)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["text"] == tok.decode(ids) and d["status"] == "complete" and d["finish_reason"] == "stop"
