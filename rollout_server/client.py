@@ -339,6 +339,11 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         return await self._weights_call("/update_weights_from_tensor", body, timeout)
 
+    async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> dict:
+        """``/update_weight_version``: relabel the loaded weights (no load); raises :class:`EngineError` on failure."""
+        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        return await self._weights_call("/update_weight_version", body, self.timeout_seconds)
+
     async def _weights_call(self, path: str, body: dict, timeout: float | None) -> dict:
         status, data = await self._request("POST", path, body, timeout)
         if status != 200 or not isinstance(data, dict) or not data.get("success", False):

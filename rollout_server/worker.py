@@ -1,6 +1,705 @@
-"""Streaming rollout worker (issue 4 item 3): claims work from the rollout buffer,
-streams `/generate` chunks from a rollout server into the buffer, follows the
-version clock (pause → load weights → continue), and parks partial samples.
+"""The streaming rollout worker: buffer work -> engine ``/generate`` stream -> buffer (ARCHITECTURE §4).
 
-Owner: engineer G. Implementation in progress.
+One :class:`RolloutWorker` drives **one** rollout engine (SGLang or the embedded torch engine,
+through :class:`rollout_server.client.EngineClient`) for **one** run's replay buffer. Several
+rollout servers share a buffer by running one worker each (``asyncrl rollout-server
+--server_index i`` per server, or one process with one worker per URL of
+``rollout.server_urls``): the buffer's leases decide who generates what, so workers never talk
+to each other. Pausing for a weight update is per engine, which is why a worker owns exactly
+one engine.
+
+What a worker does, concurrently (asyncio tasks):
+
+* **Claim loop.** Keeps ``rollout.max_inflight_requests`` work items in flight
+  (``ReplayBuffer.claim``: unscored completes, resumable partials, fresh samples, then idle
+  budget-parked ones). A ``GENERATE`` item becomes one streamed ``/generate`` with
+  ``input_ids = prompt_ids + response_ids`` (token ids, never re-tokenized text),
+  ``temperature`` from the config, ``top_p = 1``, ``top_k = -1`` (so behaviour logprobs are
+  ``log_softmax(logits / T)``, the trainer's quantity), ``max_new_tokens`` from the item
+  (``min(M - produced under this version, max_response_len - len(response_ids))``, computed by
+  the buffer) and ``return_logprob``. New tokens, their logprobs and their policy versions are
+  appended every ``buffer.flush_tokens`` tokens; the end of the call ends the segment:
+  ``stop`` -> COMPLETE, then scored by the task's reward function (a raising reward marks the
+  sample FAILED with the error); ``length`` at ``max_response_len`` -> COMPLETE (``length``);
+  ``length`` below it -> PARTIAL parked at the budget (sent as ``budget``); ``abort`` (weight
+  update, shutdown, engine lost) -> PARTIAL, resumable now. A ``SCORE`` item (its previous
+  worker died after completing it) is only scored.
+* **Version clock (pull).** Subscribes to the weights channel and polls
+  ``clock.latest()`` (pub/sub can miss messages). On a newer version (or a new lineage) it
+  fetches the weights first (``http``: download + sha256 check via
+  :func:`trainer.publisher.download_weights` into a local cache; ``disk``: the announced
+  directory), then pauses the engine (``rollout.pause_mode``: ``abort`` ends every request, its
+  partial output becoming an old-version segment; ``in_place`` keeps the KV cache and relies on
+  per-token versions), loads the weights with ``/update_weights_from_disk`` and
+  ``weight_version``, and continues. Claiming stops during the update. Resumable partials
+  come back through the claim loop. ``nccl``: the trainer pushes the weights itself
+  (``/update_weights_from_distributed``); the worker only waits until the engine reports the
+  announced version.
+* **Per-token versions** come from the engine (per-token ``meta_info.weight_versions`` spans,
+  else ``meta_info.weight_version``), never from the worker's belief. A version string that is
+  not an integer (SGLang's ``"default"``) means the weights the worker loaded last.
+* **Heartbeat.** Renews the leases of everything in flight every ``lease_seconds / 3``; an
+  item whose lease is gone is cancelled (the closed stream aborts the engine request) and left
+  to its new owner.
+* **Errors** (docs/buffer.md): ``LeaseLost`` -> drop the item (someone else owns it now);
+  ``VersionAhead`` (the engine holds weights of an abandoned lineage) -> park the item without
+  its tokens and reload the announced weights; engine unreachable -> park what was received,
+  wait for ``/health``, reload weights (a restarted engine starts from the base model);
+  the engine rejecting a request (HTTP 4xx, e.g. a prompt longer than the context) -> the
+  worker stops with :class:`WorkerError` naming the sample: the run is misconfigured.
+* **Drain** (:meth:`RolloutWorker.drain`, SIGTERM): stop claiming, abort this worker's
+  requests on the engine, park every in-flight sample as PARTIAL with all its tokens.
+
+Simplifications: the per-sample duration metric measures from this worker's first claim of
+the sample (exact when one worker generated the whole sample); ``disk`` weights are not
+re-hashed (the trainer renames complete directories into place atomically); ``http`` downloads
+are kept under ``weights_cache_dir`` (the last ``keep_downloads`` versions).
 """
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from asyncrl.types import SampleStatus, WeightAnnouncement, WorkItem, WorkKind
+from buffers.errors import LeaseLost, UnknownItem, VersionAhead
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rollout_server.client import EngineClient, EngineError, EngineUnavailable
+
+__all__ = ["WorkerOptions", "RolloutWorker", "WorkerError", "WorkerStats"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """The worker cannot go on (the engine rejects our requests, or never becomes healthy)."""
+
+
+@dataclass
+class WorkerOptions:
+    """Knobs of one rollout worker (most come from the config: :meth:`from_config`).
+
+    Args:
+        worker_id: unique per worker (leases are held under it); also the engine ``rid`` prefix.
+        temperature: sampling temperature (``rollout.temperature``).
+        max_inflight_requests: work items in flight on the engine (``rollout.max_inflight_requests``).
+        pause_mode: ``abort`` or ``in_place`` (``rollout.pause_mode``).
+        transport: ``disk``, ``http`` or ``nccl`` (``weight_sync.transport``).
+        stop: stop strings (``rollout.stop``).
+        base_model_path: weights of policy version 0 (``model.path``), loaded when a recovery
+            rewinds to version 0 without announcing a uri.
+        weights_cache_dir: where ``http`` downloads land (default: a temp directory).
+        keep_downloads: downloaded versions kept in ``weights_cache_dir``.
+        version_poll_seconds: how often ``clock.latest()`` is polled besides pub/sub.
+        claim_poll_seconds: wait between claims when the buffer has no work.
+        engine_wait_seconds: how long to wait for a lost engine before :class:`WorkerError`.
+        drain_timeout_seconds: how long :meth:`RolloutWorker.drain` waits for in-flight items.
+    """
+
+    worker_id: str
+    temperature: float = 1.0
+    max_inflight_requests: int = 32
+    pause_mode: str = "abort"
+    transport: str = "disk"
+    stop: Sequence[str] = ()
+    base_model_path: str | None = None
+    weights_cache_dir: Path | None = None
+    keep_downloads: int = 2
+    version_poll_seconds: float = 0.5
+    claim_poll_seconds: float = 0.05
+    engine_wait_seconds: float = 120.0
+    drain_timeout_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.pause_mode not in ("abort", "in_place"):
+            raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {self.pause_mode!r}")
+        if self.transport not in ("disk", "http", "nccl"):
+            raise ValueError(f"transport must be disk, http or nccl, got {self.transport!r}")
+        if self.max_inflight_requests < 1:
+            raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
+        if not self.worker_id or any(c.isspace() for c in self.worker_id):
+            raise ValueError(f"worker_id must be a non-empty string without spaces, got {self.worker_id!r}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, worker_id: str, **overrides: Any) -> "WorkerOptions":
+        """Options from an :class:`asyncrl.config.AsyncRLConfig` (``overrides`` win)."""
+        r = cfg.rollout
+        kw: dict[str, Any] = dict(
+            worker_id=worker_id, temperature=r.temperature, max_inflight_requests=r.max_inflight_requests,
+            pause_mode=r.pause_mode, transport=cfg.weight_sync.transport, stop=list(r.stop),
+            base_model_path=cfg.model.path,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker (also exported as Prometheus metrics when a RolloutMetrics is given)."""
+
+    segments: int = 0
+    generated_tokens: int = 0
+    completed: int = 0
+    scored: int = 0
+    reward_errors: int = 0
+    parked_budget: int = 0
+    parked_abort: int = 0
+    lease_lost: int = 0
+    version_ahead: int = 0
+    engine_errors: int = 0
+    weight_updates: int = 0
+    weight_update_errors: int = 0
+    drained: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Active:
+    item: WorkItem
+    task: asyncio.Task | None = None
+    lost: bool = False
+    requested: bool = False
+    scoring: bool = False
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class RolloutWorker:
+    """Streams rollouts of one engine into one replay buffer (see the module docstring).
+
+    Args:
+        buffer: an open :class:`buffers.ReplayBuffer` (its settings give ``flush_tokens``,
+            ``lease_seconds`` and ``max_response_len``).
+        client: the engine's :class:`EngineClient`.
+        scorer: an :class:`asyncrl.rewards.RewardScorer` (never raises; errors -> FAILED).
+        tokenizer: decodes prompt and response ids into text for the reward function.
+        options: :class:`WorkerOptions`.
+        metrics: optional :class:`asyncrl.metrics.RolloutMetrics`.
+
+    Usage::
+
+        worker = RolloutWorker(buf, EngineClient(url), scorer, tokenizer, WorkerOptions("w0"))
+        stop = asyncio.Event()
+        await worker.run(stop)        # returns after stop is set and the worker drained
+    """
+
+    def __init__(self, buffer: Any, client: EngineClient, scorer: Any, tokenizer: Any, options: WorkerOptions,
+                 metrics: Any = None) -> None:
+        self.buffer = buffer
+        self.client = client
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.opts = options
+        self.metrics = metrics
+        self.settings = buffer.settings
+        self.stats = WorkerStats()
+        self.version: int | None = None
+        self.lineage: int | None = None
+        self._active: dict[str, _Active] = {}
+        self._first_claim: dict[str, float] = {}
+        self._claim_gate = asyncio.Event()
+        self._claim_gate.set()
+        self._slot_free = asyncio.Event()
+        self._announced = asyncio.Event()
+        self._update_lock = asyncio.Lock()
+        self._draining = False
+        self._resync = False
+        self._engine_lost = False
+        self._fatal: BaseException | None = None
+        self._retry_after = 0.0
+        self._rid_counter = 0
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def inflight(self) -> int:
+        """Work items this worker holds right now (generating or scoring)."""
+        return len(self._active)
+
+    async def run(self, stop: asyncio.Event | None = None) -> WorkerStats:
+        """Claim and generate until ``stop`` is set, then drain; returns the counters.
+
+        Raises:
+            WorkerError: the engine rejected a request or stayed unreachable (in-flight samples
+                are parked first).
+            buffers.errors.BufferError: the buffer failed in a way the worker cannot handle.
+        """
+        stop = stop or asyncio.Event()
+        await self.sync_weights(initial=True)
+        helpers = [asyncio.create_task(self._watch_versions(), name="version-watch"),
+                   asyncio.create_task(self._subscribe(), name="version-subscribe"),
+                   asyncio.create_task(self._heartbeat(), name="lease-heartbeat")]
+        try:
+            await self._claim_loop(stop)
+        finally:
+            try:
+                await self.drain()
+            finally:
+                for t in helpers:
+                    t.cancel()
+                await asyncio.gather(*helpers, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    async def drain(self) -> list[str]:
+        """Stop claiming, abort this worker's engine requests, park every in-flight sample.
+
+        Samples that were generating end their segment with ``abort`` (PARTIAL with every token
+        received; one with no tokens goes back to PENDING); samples being scored finish scoring.
+        Returns the ids of the samples that were generating when the drain began (also kept in
+        ``stats.drained``).
+        """
+        self._draining = True
+        generating = [sid for sid, a in self._active.items() if a.item.kind == WorkKind.GENERATE and not a.scoring]
+        self.stats.drained = list(generating)
+        deadline = _now() + self.opts.drain_timeout_seconds
+        while self._active and _now() < deadline:
+            if any(a.requested and not a.scoring for a in self._active.values()):
+                with contextlib.suppress(EngineUnavailable, EngineError):
+                    await self.client.abort(rid=self.opts.worker_id + "-")
+            tasks = [a.task for a in self._active.values() if a.task is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=0.25)
+        if self._active:  # engine hung: leave the rest to lease expiry
+            log.warning("drain: %d samples still in flight after %.0f s; their leases will expire",
+                        len(self._active), self.opts.drain_timeout_seconds)
+            for a in list(self._active.values()):
+                if a.task is not None:
+                    a.lost = True
+                    a.task.cancel()
+        return generating
+
+    async def sync_weights(self, initial: bool = False) -> bool:
+        """Bring the engine to the announced policy version; True if weights were (re)loaded.
+
+        ``initial``: also align an engine that reports another version string (e.g. SGLang's
+        ``"default"`` or a restarted engine) with the clock; with no announcement yet the engine
+        holds version 0 (``model.path``) and is told so via ``/update_weight_version``.
+        """
+        ann = await self.buffer.clock.latest()
+        if ann is None:
+            if initial or self.version is None:
+                with contextlib.suppress(EngineError):
+                    if await self.client.weight_version() != "0":
+                        await self.client.update_weight_version("0", abort_all_requests=False)
+                self.version = 0
+                self.lineage = await self.buffer.clock.lineage()
+            return False
+        if not initial and not self._is_new(ann):
+            return False
+        if initial and self.lineage is None:
+            with contextlib.suppress(EngineError, EngineUnavailable):
+                if await self.client.weight_version() == str(ann.version):
+                    self.version, self.lineage = ann.version, ann.lineage
+                    return False
+        return await self._update_weights(ann)
+
+    # ------------------------------------------------------------------ claim loop
+    async def _claim_loop(self, stop: asyncio.Event) -> None:
+        stop_wait = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set() and self._fatal is None:
+                if self._engine_lost:
+                    await self._recover_engine(stop)
+                    continue
+                if self._resync and _now() >= self._retry_after:
+                    self._resync = False
+                    await self.sync_weights(initial=True)
+                if not self._claim_gate.is_set():
+                    await _wait_any(self._claim_gate.wait(), stop_wait, timeout=1.0)
+                    continue
+                free = self.opts.max_inflight_requests - len(self._active)
+                if free <= 0:
+                    self._slot_free.clear()
+                    await _wait_any(self._slot_free.wait(), stop_wait, timeout=1.0)
+                    continue
+                try:
+                    items = await self.buffer.claim(self.opts.worker_id, free)
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    log.warning("claim failed, redis unreachable (%s); retrying in 1 s", exc)
+                    await _wait_any(asyncio.sleep(1.0), stop_wait, timeout=1.0)
+                    continue
+                if not items:
+                    self._set_idle(not self._active)
+                    self._slot_free.clear()
+                    await _wait_any(self._slot_free.wait(), stop_wait, timeout=self.opts.claim_poll_seconds)
+                    continue
+                self._set_idle(False)
+                for item in items:
+                    self._start(item)
+        finally:
+            stop_wait.cancel()
+
+    def _start(self, item: WorkItem) -> None:
+        a = _Active(item)
+        self._active[item.sample_id] = a
+        self._first_claim.setdefault(item.sample_id, _now())
+        a.task = asyncio.create_task(self._process(a), name=f"sample-{item.sample_id}")
+        self._report_inflight()
+
+    async def _process(self, a: _Active) -> None:
+        try:
+            if a.item.kind == WorkKind.SCORE:
+                await self._score(a.item, a.item.response_ids)
+            else:
+                await self.generate(a)
+        except asyncio.CancelledError:
+            if not a.lost:
+                raise
+        except LeaseLost:
+            self.stats.lease_lost += 1
+            log.info("lease of sample %s lost; it belongs to another worker now", a.item.sample_id)
+        except UnknownItem:
+            log.info("sample %s no longer exists (group dropped or drained)", a.item.sample_id)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("redis unreachable while handling sample %s (%s); its lease will expire and it is "
+                        "reclaimed", a.item.sample_id, exc)
+        except WorkerError as exc:
+            self._fatal = self._fatal or exc
+        except Exception as exc:  # a buffer or scorer failure must not kill the worker silently
+            log.exception("sample %s failed in the worker", a.item.sample_id)
+            self._fatal = self._fatal or exc
+        finally:
+            self._active.pop(a.item.sample_id, None)
+            self._slot_free.set()
+            self._report_inflight()
+
+    # ------------------------------------------------------------------ one engine call
+    def sampling_params(self, item: WorkItem) -> dict:
+        """SGLang ``sampling_params`` of the engine call for ``item`` (RL sampling: top_p 1, top_k -1)."""
+        params: dict[str, Any] = {"temperature": self.opts.temperature, "top_p": 1.0, "top_k": -1,
+                                  "max_new_tokens": int(item.max_new_tokens), "skip_special_tokens": False,
+                                  "no_stop_trim": True}
+        if self.opts.stop:
+            params["stop"] = list(self.opts.stop)
+        return params
+
+    def finish_reason(self, item: WorkItem, engine_finish: str | None, response_len: int) -> str:
+        """Buffer finish reason of a segment from the engine's (``stop``/``length``/``abort``/None).
+
+        ``length`` becomes ``length`` at ``max_response_len`` (COMPLETE) and ``budget`` below it
+        (the per-version budget ran out: PARTIAL parked at the budget); None (stream ended
+        without a finish reason) is ``abort``.
+        """
+        if engine_finish == "stop":
+            return "stop"
+        if engine_finish == "length":
+            return "length" if response_len >= self.settings.max_response_len else "budget"
+        return "abort"
+
+    def _version_of(self, v: str) -> int:
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return int(self.version or 0)
+
+    def _next_rid(self, item: WorkItem) -> str:
+        self._rid_counter += 1
+        return f"{self.opts.worker_id}-{item.sample_id}-{self._rid_counter}-{uuid.uuid4().hex[:6]}"
+
+    async def generate(self, a: _Active) -> SampleStatus | None:
+        """One engine call (segment) for a GENERATE item; scores it if it completed.
+
+        Returns the sample's status after the segment (None when the item was given up).
+
+        Raises:
+            LeaseLost / UnknownItem: the item is no longer ours (nothing more is written).
+            WorkerError: the engine rejected the request (4xx).
+        """
+        item = a.item
+        if self._draining:  # claimed just before the drain: give it back untouched
+            await self.buffer.end_segment(item, "abort")
+            self._note_parked("shutdown")
+            return None
+        if item.response_ids and self.metrics is not None:
+            self.metrics.resumed()
+        response = list(item.response_ids)
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        flush = self.settings.flush_tokens
+        engine_finish: str | None = None
+        t0 = _now()
+        rid = self._next_rid(item)
+        a.requested = True
+        stream = self.client.generate_stream(item.prompt_ids + item.response_ids, self.sampling_params(item),
+                                             rid=rid, return_logprob=True)
+        try:
+            async with contextlib.aclosing(stream):
+                async for d in stream:
+                    ids += d.token_ids
+                    lps += d.logprobs
+                    vers += [self._version_of(v) for v in d.versions]
+                    if d.finish_reason is not None:
+                        engine_finish = d.finish_reason.get("type")
+                        break
+                    if len(ids) >= flush:
+                        await self.buffer.append(item, ids, lps, vers)
+                        response += ids
+                        self._count_tokens(len(ids))
+                        ids, lps, vers = [], [], []
+        except VersionAhead:
+            return await self._version_ahead(item)
+        except EngineUnavailable as exc:
+            log.warning("engine stream broke for sample %s: %s", item.sample_id, exc)
+            self._engine_lost = True
+            engine_finish = None
+        except EngineError as exc:
+            self.stats.engine_errors += 1
+            await self._end(item, "abort", ids, lps, vers)
+            self._record_request("error", _now() - t0, len(ids), 0)
+            raise WorkerError(
+                f"the engine at {self.client.url} rejected the request for sample {item.sample_id} "
+                f"(prompt {len(item.prompt_ids)} + response {len(item.response_ids)} tokens, max_new_tokens "
+                f"{item.max_new_tokens}): {exc.message}. Check model.max_context_len / --max_response_len "
+                "against the engine's context length."
+            ) from exc
+        response += ids
+        self._count_tokens(len(ids))
+        reason = self.finish_reason(item, engine_finish, len(response))
+        status = await self._end(item, reason, ids, lps, vers)
+        if status is None:
+            return None
+        prompt_tokens = len(item.prompt_ids) + len(item.response_ids)
+        self._record_request(reason, _now() - t0, len(response) - len(item.response_ids), prompt_tokens)
+        self.stats.segments += 1
+        if status == SampleStatus.COMPLETE:
+            self.stats.completed += 1
+            if self.metrics is not None:
+                started = self._first_claim.get(item.sample_id, t0)
+                self.metrics.sample_completed("length" if reason == "length" else "stop", _now() - started,
+                                              len(response))
+            a.scoring = True
+            await self._score(item, response)
+        elif reason == "budget":
+            self.stats.parked_budget += 1
+            self._note_parked("budget")
+        else:
+            self.stats.parked_abort += 1
+            self._note_parked("shutdown" if self._draining else "weight_update")
+        if status == SampleStatus.PENDING:
+            self._first_claim.pop(item.sample_id, None)
+        return status
+
+    async def _end(self, item: WorkItem, reason: str, ids: list[int], lps: list[float],
+                   vers: list[int]) -> SampleStatus | None:
+        try:
+            return await self.buffer.end_segment(item, reason, ids, lps, vers)
+        except VersionAhead:
+            return await self._version_ahead(item)
+
+    async def _version_ahead(self, item: WorkItem) -> None:
+        """The engine produced tokens of a version newer than the clock: park the item without them, reload."""
+        self.stats.version_ahead += 1
+        log.warning("sample %s: the engine's weights are newer than the clock (abandoned lineage); reloading",
+                    item.sample_id)
+        await self.buffer.end_segment(item, "abort")
+        self._resync = True
+        return None
+
+    def _note_parked(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.parked(reason)
+
+    def _count_tokens(self, n: int) -> None:
+        self.stats.generated_tokens += n
+
+    def _record_request(self, reason: str, seconds: float, generated: int, prompt_tokens: int) -> None:
+        if self.metrics is not None:
+            self.metrics.request_finished(reason, max(0.0, seconds), max(0, generated), prompt_tokens)
+
+    # ------------------------------------------------------------------ scoring
+    async def _score(self, item: WorkItem, response_ids: list[int]) -> None:
+        """Run the reward function (in a thread: it may be slow) and record reward or error."""
+        prompt = self.tokenizer.decode(item.prompt_ids, skip_special_tokens=False)
+        response = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(None, self.scorer.score, prompt, response, dict(item.metadata))
+        if result.failed:
+            self.stats.reward_errors += 1
+            await self.buffer.score(item, error=result.error)
+            if self.metrics is not None:
+                self.metrics.scored(0.0, "error")
+        else:
+            await self.buffer.score(item, reward=result.reward)
+            if self.metrics is not None:
+                good = result.correct == 1.0 if result.correct is not None else result.reward > 0
+                self.metrics.scored(result.reward, "correct" if good else "incorrect")
+        self.stats.scored += 1
+        self._first_claim.pop(item.sample_id, None)
+
+    # ------------------------------------------------------------------ leases
+    async def _heartbeat(self) -> None:
+        period = max(0.05, self.settings.lease_seconds / 3.0)
+        while True:
+            await asyncio.sleep(period)
+            actives = [a for a in self._active.values() if not a.lost]
+            if not actives:
+                continue
+            try:
+                held = await self.buffer.renew([a.item for a in actives])
+                if held < len(actives):
+                    for a in actives:
+                        if await self.buffer.renew([a.item]) == 0 and a.task is not None and not a.task.done():
+                            a.lost = True
+                            self.stats.lease_lost += 1
+                            a.task.cancel()
+            except Exception:  # Redis hiccup: the next beat retries; appends also renew
+                log.warning("lease renewal failed", exc_info=True)
+
+    # ------------------------------------------------------------------ version clock
+    def _is_new(self, ann: WeightAnnouncement | None) -> bool:
+        if ann is None:
+            return False
+        if self.version is None or self.lineage is None:
+            return True
+        return ann.lineage > self.lineage or (ann.lineage == self.lineage and ann.version > self.version)
+
+    async def _subscribe(self) -> None:
+        while True:
+            try:
+                async for _ann in self.buffer.clock.subscribe():
+                    self._announced.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # connection lost: polling covers the gap; resubscribe
+                log.debug("weights subscription broke; resubscribing", exc_info=True)
+            await asyncio.sleep(1.0)
+
+    async def _watch_versions(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._announced.wait(), self.opts.version_poll_seconds)
+            self._announced.clear()
+            if self._draining or self._engine_lost or _now() < self._retry_after:
+                continue
+            try:
+                ann = await self.buffer.clock.latest()
+                if self._is_new(ann):
+                    await self._update_weights(ann)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("polling the version clock failed", exc_info=True)
+
+    async def _weights_path(self, ann: WeightAnnouncement) -> str:
+        """Local directory holding the announced weights (downloading and verifying for ``http``)."""
+        uri = ann.uri
+        if not uri and ann.version == 0 and self.opts.base_model_path:
+            from asyncrl.models import resolve_model_path
+
+            return str(resolve_model_path(self.opts.base_model_path))
+        if uri.startswith(("http://", "https://")):
+            from trainer.publisher import download_weights
+
+            cache = self.opts.weights_cache_dir
+            if cache is None:
+                import tempfile
+
+                cache = self.opts.weights_cache_dir = Path(tempfile.mkdtemp(prefix=f"asyncrl-weights-{self.opts.worker_id}-"))
+            path = await download_weights(uri, ann.checksum, Path(cache))
+            self._prune_downloads(Path(cache), keep=path)
+            return str(path)
+        if uri.startswith("file://"):
+            uri = uri[len("file://"):]
+        if not uri or not Path(uri).is_dir():
+            raise FileNotFoundError(f"announced weights of version {ann.version} are not a local directory: {ann.uri!r} "
+                                    "(weight_sync.transport=disk needs storage shared with the trainer; use http otherwise)")
+        return uri
+
+    def _prune_downloads(self, cache: Path, keep: Path) -> None:
+        dirs = sorted(p for p in cache.iterdir() if p.is_dir() and p.name.startswith("v"))
+        for old in dirs[:-self.opts.keep_downloads]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def _update_weights(self, ann: WeightAnnouncement) -> bool:
+        """Pause, load ``ann``'s weights, continue (see the module docstring). False on failure (retried later)."""
+        async with self._update_lock:
+            if self.version is not None and not self._is_new(ann) and self.lineage == ann.lineage:
+                return False
+            self._claim_gate.clear()
+            t0 = _now()
+            transport = self.opts.transport
+            try:
+                if transport == "nccl":
+                    await self._wait_engine_version(str(ann.version))
+                else:
+                    path = await self._weights_path(ann)  # fetch before pausing: the pause stays short
+                    await self.client.pause(self.opts.pause_mode)
+                    try:
+                        await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
+                    finally:
+                        await self.client.resume()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.stats.weight_update_errors += 1
+                self._retry_after = _now() + 2.0
+                if self.metrics is not None:
+                    self.metrics.weight_updates.labels("error").inc()
+                log.error("loading policy version %d (%s) failed: %s; generating on with version %s, retrying",
+                          ann.version, ann.uri, exc, self.version)
+                if isinstance(exc, EngineUnavailable):
+                    self._engine_lost = True
+                return False
+            finally:
+                self._claim_gate.set()
+            self.version, self.lineage = ann.version, ann.lineage
+            self.stats.weight_updates += 1
+            if self.metrics is not None:
+                lag = time.time() - ann.published_ms / 1000.0 if ann.published_ms else None
+                self.metrics.weights_loaded(ann.version, transport, _now() - t0, lag)
+            log.info("policy version %d (lineage %d) live on %s", ann.version, ann.lineage, self.client.url)
+            return True
+
+    async def _wait_engine_version(self, version: str, timeout_seconds: float = 600.0) -> None:
+        deadline = _now() + timeout_seconds
+        while await self.client.weight_version() != version:
+            if _now() > deadline:
+                raise TimeoutError(f"the engine did not receive version {version} over nccl in {timeout_seconds:.0f} s")
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------ engine loss
+    async def _recover_engine(self, stop: asyncio.Event) -> None:
+        """Wait for the engine to answer again, then reload the announced weights."""
+        deadline = _now() + self.opts.engine_wait_seconds
+        while not stop.is_set():
+            if await self.client.health():
+                self._engine_lost = False
+                self.version = self.lineage = None  # a restarted engine holds the base model
+                await self.sync_weights(initial=True)
+                return
+            if _now() > deadline:
+                self._fatal = WorkerError(f"the engine at {self.client.url} has been unreachable for "
+                                          f"{self.opts.engine_wait_seconds:.0f} s")
+                return
+            await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ metrics
+    def _report_inflight(self) -> None:
+        if self.metrics is not None:
+            self.metrics.inflight_requests.set(len(self._active))
+
+    def _set_idle(self, idle: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.idle.set_idle(idle)
+
+
+async def _wait_any(aw: Any, stop_task: asyncio.Task, timeout: float) -> None:
+    """Wait until ``aw`` completes, ``stop_task`` is done, or ``timeout`` seconds pass."""
+    t = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({t, stop_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not t.done():
+            t.cancel()
