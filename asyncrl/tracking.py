@@ -233,6 +233,14 @@ class MetricsLogger:
             self.close()
             raise
 
+    @classmethod
+    def for_role(cls, cfg: Any, default_role: str) -> "MetricsLogger":
+        """The logger a role process opens: ``cfg.run.run_dir``, ``cfg.monitoring``, and the role
+        name from ``ASYNCRL_ROLE`` (set by ``asyncrl train``'s supervisor: ``rollout-0``, ``trainer``)
+        or ``default_role``."""
+        return cls(cfg.run.run_dir, cfg.monitoring, role=os.environ.get("ASYNCRL_ROLE") or default_role,
+                   run_name=cfg.run.name)
+
     def _open_tensorboard(self):
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -109,6 +109,7 @@ def test_normalize_trainer_record():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_failing_role_stops_the_run_with_its_last_log_lines(tmp_path, tiny_model_dir):
     """A feeder whose dataset file is missing exits 2 (not restartable): the run stops, exit 1."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -88,6 +88,7 @@ async def test_too_long_prompt_is_an_error_and_nothing_is_fed(cfg, tokenizer, re
         await buf.close()
 
 
+@pytest.mark.slow
 def test_feeder_process_feeds_and_stops_on_sigterm(cfg, tiny_model_dir, redis_url, tmp_path):
     env = {**os.environ, "ASYNCRL_BUFFER__REDIS_URL": redis_url}
     args = [sys.executable, "-m", "asyncrl.feeder", "--model_path", str(tiny_model_dir), "--rollout_batch_size", "3",
@@ -124,6 +125,7 @@ def test_feeder_without_redis_url_is_an_error(tiny_model_dir):
     assert proc.returncode == 2 and "buffer.redis_url is not set" in proc.stderr
 
 
+@pytest.mark.slow
 def test_feeder_reports_buffer_errors_without_traceback(cfg, tiny_model_dir, redis_url):
     async def open_with_other_settings():
         import dataclasses

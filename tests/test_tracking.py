@@ -176,3 +176,16 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(TrackingError, match=r"pip install 'asyncrl\[tracking\]'"):
         MetricsLogger(tmp_path, MonitoringConfig(wandb=True, tensorboard=True))
     assert not (tmp_path / "metrics-controller.jsonl").exists()  # nothing half-opened
+
+
+def test_for_role_uses_the_supervisor_role_name(tmp_path, monkeypatch):
+    from asyncrl.config import load_config
+
+    cfg = load_config(["--output_dir", str(tmp_path), "--run_name", "r"])
+    monkeypatch.setenv("ASYNCRL_ROLE", "rollout-1")
+    with MetricsLogger.for_role(cfg, "rollout") as log:
+        log.log(1, {"rollout/tokens_per_second": 5.0})
+    assert (tmp_path / "r" / "metrics-rollout-1.jsonl").exists()
+    monkeypatch.delenv("ASYNCRL_ROLE")
+    with MetricsLogger.for_role(cfg, "rollout") as log:
+        assert log.path == tmp_path / "r" / "metrics-rollout.jsonl"

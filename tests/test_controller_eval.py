@@ -1,0 +1,78 @@
+"""Periodic held-out evaluation in the controller: real ``asyncrl eval`` on the tiny model, roles paused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.controller import Controller, assign_resources
+from asyncrl.progress import Progress
+from asyncrl.supervisor import RoleSpec, Supervisor
+from asyncrl.tracking import MetricsLogger, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _controller(tmp_path, tiny_model_dir) -> Controller:
+    cfg = load_config(["--config", str(REPO / "configs" / "tiny.yaml"), "--output_dir", str(tmp_path),
+                       "--model_path", str(tiny_model_dir), "--monitoring.eval_interval", "2",
+                       "--monitoring.eval_num_problems", "4", "--max_response_len", "8", "--max_budget", "8"])
+    ctl = Controller(cfg, resumed=False)
+    ctl._prepare_run_dir()
+    ctl.logger = MetricsLogger(ctl.run_dir, cfg.monitoring, role="controller")
+    ctl.progress = Progress(cfg.run.total_steps, live=False)
+    ctl.redis_url = ""
+    return ctl
+
+
+def test_eval_pauses_roles_and_is_excluded_from_wall_time(tmp_path, tiny_model_dir):
+    ctl = _controller(tmp_path, tiny_model_dir)
+    assignment = assign_resources(ctl.cfg)
+    with Supervisor(tmp_path / "logs") as sup:
+        busy = sup.start(RoleSpec("rollout-0", [sys.executable, "-c", "while True: pass"]))
+        time.sleep(0.5)
+        wall_before = ctl.clock.wall_seconds()
+        ticks_before = _cpu_ticks(busy.pid)
+        t0 = time.monotonic()
+        ctl.trainer_step = 2
+        asyncio.run(ctl._evaluate(None, sup, assignment))
+        eval_seconds = time.monotonic() - t0
+        ticks_after = _cpu_ticks(busy.pid)
+        # the busy role got (almost) no CPU while the evaluation ran
+        assert ticks_after - ticks_before < 30, (ticks_before, ticks_after, eval_seconds)
+        assert sup.paused is False
+        assert ctl.clock.wall_seconds() - wall_before < 2.0  # the pause is not training time
+        assert ctl.clock.paused_seconds == pytest.approx(eval_seconds, abs=1.0)
+        time.sleep(0.3)
+        assert _cpu_ticks(busy.pid) > ticks_after  # resumed
+    ctl.logger.close()
+    [rec] = [r for r in read_metrics(ctl.run_dir) if "eval/eval_seconds" in r]
+    assert rec["step"] == 2 and rec["eval/policy_version"] == 0
+    assert rec["eval/num_problems"] == 4 and 0.0 <= rec["eval/accuracy_sampled"] <= 1.0
+    assert rec["eval/ci95_low"] <= rec["eval/accuracy_sampled"] <= rec["eval/ci95_high"]
+    assert "eval/accuracy_greedy" in rec and rec["time/eval_seconds"] == pytest.approx(rec["eval/eval_seconds"])
+    saved = json.loads((ctl.run_dir / "eval" / "step-2.json").read_text())
+    assert saved["model"] == str(tiny_model_dir) and {r["mode"] for r in saved["results"]} == {"greedy", "sampled"}
+
+
+def test_failed_eval_is_reported_and_training_goes_on(tmp_path, tiny_model_dir, capsys):
+    ctl = _controller(tmp_path, tiny_model_dir)
+    ctl.cfg.model.path = str(tmp_path / "no-such-model")
+    asyncio.run(ctl._evaluate(None, None, assign_resources(ctl.cfg)))
+    ctl.logger.close()
+    assert "held-out evaluation failed" in capsys.readouterr().err
+    [rec] = [r for r in read_metrics(ctl.run_dir) if "eval/eval_seconds" in r]
+    assert rec["eval/failed"] == 1 and "eval/accuracy_sampled" not in rec
