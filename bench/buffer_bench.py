@@ -4,8 +4,9 @@ Life cycle measured: claim -> append 16-token chunks -> complete (the last chunk
 of the segment in one script) -> score -> group READY -> batch -> acknowledge -> commit.
 Response lengths are drawn from a log-normal distribution with mean 200 tokens
 (sigma = 1, mu = ln 200 - 0.5), rounded up and capped at 2048; n = 8 samples per group.
-W concurrent workers are asyncio tasks in one process sharing one ``ReplayBuffer``; one
-feeder task keeps R groups pending, one trainer task takes batches, acknowledges, publishes a
+W concurrent workers are asyncio tasks in one process sharing one ``ReplayBuffer``
+(R = max(8, W) groups in flight, B = max(1, W / 8) groups per train batch, eta large so
+admission never idles a worker); one feeder task keeps R groups pending, one trainer task takes batches, acknowledges, publishes a
 version every step and commits every step. Then, against the same server, a plain pipelined
 ``XADD`` loop (one 16-token entry per XADD, 1,000 per pipeline) gives the ceiling.
 
@@ -43,7 +44,7 @@ def response_length(rng: random.Random) -> int:
 
 async def lifecycle(url: str, run: str, workers: int, seconds: float, seed: int) -> dict:
     settings = BufferSettings(
-        rollout_batch_size=max(8, workers // 2), train_batch_groups=max(1, workers // 8) if workers >= 8 else 1,
+        rollout_batch_size=max(8, workers), train_batch_groups=max(1, workers // 8),
         n_samples_per_prompt=8, max_budget_tokens=MAX_LEN, max_response_len=MAX_LEN, max_staleness=1000,
         stale_policy="keep", lease_seconds=60, flush_tokens=CHUNK,
     )
@@ -65,7 +66,7 @@ async def lifecycle(url: str, run: str, workers: int, seconds: float, seed: int)
         while not stop.is_set():
             items = await buf.claim(f"w{wid}", 1)
             if not items:
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.01)
                 continue
             it = items[0]
             length = response_length(rng)
@@ -98,7 +99,7 @@ async def lifecycle(url: str, run: str, workers: int, seconds: float, seed: int)
 
     tasks = [asyncio.create_task(feeder()), asyncio.create_task(trainer())]
     tasks += [asyncio.create_task(worker(i)) for i in range(workers)]
-    await asyncio.sleep(min(2.0, seconds / 4))  # warm-up
+    await asyncio.sleep(min(3.0, seconds / 2))  # warm-up: fill the pipeline of R groups
     base = dict(counters)
     t0 = time.perf_counter()
     await asyncio.sleep(seconds)

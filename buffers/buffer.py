@@ -51,7 +51,7 @@ from buffers.errors import (
     UnknownItem,
 )
 from buffers.keys import GROUP_ID, SCHEMA_VERSION, key_prefix
-from buffers.scripts import Coalescer, Scripts
+from buffers.scripts import Coalescer, Scripts, decode_error
 
 __all__ = ["BufferSettings", "ReplayBuffer", "STALE_POLICIES", "FINISH_REASONS"]
 
@@ -155,6 +155,23 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
 
 
+_APPEND_STATUS = ("running", "complete", "partial", "pending")
+
+
+def _decode_append(reply: Any) -> Any:
+    """``length * 8 + status code`` -> (length, status); an error string -> its exception."""
+    if isinstance(reply, int):
+        return reply >> 3, _APPEND_STATUS[reply & 7]
+    return decode_error(reply)
+
+
+def _decode_score(reply: Any) -> Any:
+    """Group state string -> GroupState; ``!<CODE> <message>`` -> its exception."""
+    if reply[:1] == b"!":
+        return decode_error(reply[1:])
+    return GroupState(_s(reply))
+
+
 class ReplayBuffer:
     """Client of one run's replay buffer. Create with :meth:`open`; see docs/buffer.md."""
 
@@ -168,8 +185,9 @@ class ReplayBuffer:
         self.clock = VersionClock(redis, run, self._scripts)
         self._head = [self.prefix + "schema"]
         self._argv = [self.prefix, SCHEMA_VERSION, *settings.lua_args()]
-        self._appends = Coalescer(lambda *a: self._run("append", *a))
-        self._scores = Coalescer(lambda *a: self._run("score", *a))
+        self._appends = Coalescer(lambda *a: self._run("append", *a), _decode_append)
+        self._scores = Coalescer(lambda *a: self._run("score", *a), _decode_score)
+        self._claims = Coalescer(lambda *a: self._run("claim", *a), self._decode_claim, max_items=64)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -299,7 +317,10 @@ class ReplayBuffer:
         """
         if max_items < 1:
             raise BadRequest(f"max_items must be >= 1, got {max_items}")
-        rows = await self._run("claim", worker_id, int(max_items))
+        return await self._claims.submit([worker_id, int(max_items)])
+
+    @staticmethod
+    def _decode_claim(rows: list) -> list[WorkItem]:
         items = []
         for r in rows:
             ids = unpack_i32(r[6])
@@ -361,9 +382,9 @@ class ReplayBuffer:
             packed = (pack_i32(ids), pack_f32(logprobs), pack_i32(versions))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        res = await self._appends.submit([item.sample_id, item.claim_token, item.length_tokens, *packed, finish])
-        item.length_tokens = int(res[0])
-        return item.length_tokens, _s(res[1])
+        length, status = await self._appends.submit([item.sample_id, item.claim_token, item.length_tokens, *packed, finish])
+        item.length_tokens = length
+        return length, status
 
     async def score(
         self,
@@ -400,8 +421,7 @@ class ReplayBuffer:
                 except ValueError as exc:
                     raise BadRequest(str(exc)) from None
         kind, value = ("reward", repr(float(reward))) if reward is not None else ("error", str(error))
-        res = await self._scores.submit([item.sample_id, item.claim_token, kind, value, advk, adv])
-        return GroupState(_s(res[0]))
+        return await self._scores.submit([item.sample_id, item.claim_token, kind, value, advk, adv])
 
     async def renew(self, items: Iterable[WorkItem]) -> int:
         """Extend the leases of ``items`` by ``lease_seconds``; returns how many are still held."""

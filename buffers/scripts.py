@@ -59,28 +59,32 @@ class Coalescer:
     :mod:`buffers.errors` exception; a transport error fails every item of that call.
 
     Args:
-        call: ``await call(n_items, *flat_args)`` runs the script and returns one reply per item
-            (``[1, ...result]`` or ``[0, code, message]``).
+        call: ``await call(n_items, *flat_args)`` runs the script and returns one reply per item.
+        decode: turns one item's reply into its result, or returns the exception to raise.
         max_items: most items per script call (bounds the time Redis spends in one script).
     """
 
-    def __init__(self, call: Any, max_items: int = 128) -> None:
+    def __init__(self, call: Any, decode: Any, max_items: int = 128) -> None:
         self._call = call
+        self._decode = decode
         self._max = max_items
         self._queue: list[tuple[list[Any], asyncio.Future]] = []
         self._task: asyncio.Task | None = None
 
-    async def submit(self, args: list[Any]) -> list[Any]:
-        """Queue one item; returns its result list (without the leading 1) or raises its error."""
-        fut = asyncio.get_running_loop().create_future()
+    async def submit(self, args: list[Any]) -> Any:
+        """Queue one item; returns its decoded result or raises its error."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._queue.append((args, fut))
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._drain())
+            self._task = loop.create_task(self._drain())
         return await fut
 
     async def _drain(self) -> None:
-        await asyncio.sleep(0)  # let the other ready tasks queue their items
-        while self._queue:
+        while True:
+            await asyncio.sleep(0)  # let the ready tasks (e.g. those woken by the last reply) queue items
+            if not self._queue:
+                return
             batch, self._queue = self._queue[: self._max], self._queue[self._max:]
             flat = [a for args, _ in batch for a in args]
             try:
@@ -95,7 +99,17 @@ class Coalescer:
             for (_, fut), reply in zip(batch, replies):
                 if fut.done():
                     continue
-                if int(reply[0]) == 1:
-                    fut.set_result(list(reply[1:]))
+                try:
+                    res = self._decode(reply)
+                except Exception as exc:  # noqa: BLE001 - a decoding failure belongs to its caller
+                    res = exc
+                if isinstance(res, BaseException):
+                    fut.set_exception(res)
                 else:
-                    fut.set_exception(error_for(_s(reply[1]), _s(reply[2])))
+                    fut.set_result(res)
+
+
+def decode_error(reply: bytes) -> Exception:
+    """The exception of a per-item error reply ``b'<CODE> <message>'``."""
+    code, _, msg = _s(reply).partition(" ")
+    return error_for(code, msg)

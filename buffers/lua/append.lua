@@ -3,9 +3,13 @@
 -- each is validated before it writes and gets its own result or error.
 -- Per item, 7 args: sid, claim token, offset (tokens), ids, logprobs, versions (packed
 -- little-endian int32/float32/int32), finish reason ('' = the segment continues).
--- Result per item: {1, length, status, appended} or {0, code, message}.
-local function fail(code, msg) return {0, code, msg} end
+-- Result per item: an integer length * 8 + status code (0 running, 1 complete, 2 partial,
+-- 3 pending), or the error string '<CODE> <message>' (compact replies parse fast in the client).
+local function fail(code, msg) return code .. ' ' .. msg end
+local ST = {running = 0, complete = 1, partial = 2, pending = 3}
+local function ok(len, status) return len * 8 + ST[status] end
 local v = clock()
+local appended = 0
 local function one(sid, token, offset, cids, clps, cvers, finish)
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'ids', 'lps', 'vers', 'bver', 'bused', 'minv', 'maxv', 'seg_start', 'segs')
@@ -29,7 +33,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   if offset ~= cur then
     if nnew > 0 and offset + nnew == cur and string.sub(ids, offset * 4 + 1) == cids then
       nnew = 0  -- a retry of a chunk that was applied: nothing to append
-      if finish == '' then return {1, cur, 'running', 0} end
+      if finish == '' then return ok(cur, 'running') end
     else
       return fail('BAD_OFFSET', 'chunk at offset ' .. offset .. ' but sample ' .. sid .. ' holds ' .. cur .. ' tokens')
     end
@@ -55,11 +59,11 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   if nnew > 0 then
     redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers,
       'bver', bver, 'bused', bused, 'minv', minv, 'maxv', maxv, 'updated', NOW)
-    stat('appended_tokens', nnew)
+    appended = appended + nnew
   end
   if finish == '' then
     redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
-    return {1, len, 'running', nnew}
+    return ok(len, 'running')
   end
   local seg_start = tonumber(f[10])
   if finish == 'stop' or len >= L then
@@ -68,7 +72,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     redis.call('HSET', sk, 'status', 'complete', 'finish', finish, 'completed', NOW, 'updated', NOW)
     redis.call('ZADD', k('leases'), NOW + LEASE_MS, sid)
     stat('completed_samples')
-    return {1, len, 'complete', nnew}
+    return ok(len, 'complete')
   end
   if finish == 'length' or finish == 'budget' or bused >= M then
     close_segment(sk, f[11], seg_start, len, FINISH_CODE.budget)
@@ -76,7 +80,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     redis.call('ZREM', k('leases'), sid)
     redis.call('ZADD', k('parked'), bver, sid)
     stat('parked_budget')
-    return {1, len, 'partial', nnew}
+    return ok(len, 'partial')
   end
   -- abort
   close_segment(sk, f[11], seg_start, len, FINISH_CODE.abort)
@@ -87,15 +91,16 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     local seq = tonumber(redis.call('HGET', gk, 'seq') or '0')
     redis.call('HSET', sk, 'status', 'pending', 'claim', '', 'updated', NOW)
     redis.call('ZADD', k('fresh'), seq * 2048 + tonumber(redis.call('HGET', sk, 'idx')), sid)
-    return {1, len, 'pending', nnew}
+    return ok(len, 'pending')
   end
   redis.call('HSET', sk, 'status', 'partial', 'finish', 'abort', 'claim', '', 'updated', NOW)
   make_resumable(sid, minv)
-  return {1, len, 'partial', nnew}
+  return ok(len, 'partial')
 end
 local out = {}
 for j = 0, tonumber(ARGV[12]) - 1 do
   local b = 13 + 7 * j
   out[#out + 1] = one(ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
 end
+if appended > 0 then stat('appended_tokens', appended) end
 return out

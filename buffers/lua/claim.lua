@@ -1,9 +1,9 @@
 -- claim: reclaim expired leases, admit groups, then lease up to max_items work items:
 -- unscored complete samples, resumable partials (oldest version first), fresh samples, and,
 -- only when nothing else is admissible, budget-parked samples under the same version.
--- ARGV[12] = worker id, ARGV[13] = max items.
-local worker = ARGV[12]
-local maxn = tonumber(ARGV[13])
+-- ARGV[12] = number of requests (a client coalesces concurrent claims), then per request:
+-- worker id, max items. Returns one list of work rows per request.
+local worker = ''
 local v = clock()
 local lin = lineage()
 -- 1. reclaim expired leases (the worker died or stalled)
@@ -63,6 +63,12 @@ local function stale_ok(sid)
   end
   return false
 end
+local replies = {}
+local total = 0
+for r = 0, tonumber(ARGV[12]) - 1 do
+worker = ARGV[13 + 2 * r]
+local maxn = tonumber(ARGV[14 + 2 * r])
+out = {}
 local guard = 0
 while #out < maxn and guard < 10000 do
   guard = guard + 1
@@ -95,5 +101,8 @@ while #out < maxn and guard < 10000 do
   end
   if e then return e end
 end
-if #out > 0 then stat('claims', #out) end
-return out
+replies[#replies + 1] = out
+total = total + #out
+end
+if total > 0 then stat('claims', total) end
+return replies

@@ -2,8 +2,8 @@
 -- sample; a group becomes READY when all its samples are scored or failed (>= min(2, n)
 -- scored), else it is dropped (reward_error). Items are independent and validated before writing.
 -- Per item, 6 args: sid, claim token, 'reward'|'error', value, advantages kind ('', 'scalar', 'tokens'), advantages.
--- Result per item: {1, group state} or {0, code, message}.
-local function fail(code, msg) return {0, code, msg} end
+-- Result per item: the group state string, or the error string '!<CODE> <message>'.
+local function fail(code, msg) return '!' .. code .. ' ' .. msg end
 local function one(sid, token, kind, value, advk, adv)
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'gid', 'ids')
@@ -41,13 +41,13 @@ local function one(sid, token, kind, value, advk, adv)
       redis.call('HSET', gk, 'state', 'ready', 'ready_ms', NOW)
       redis.call('ZADD', k('ready'), tonumber(g[4]), f[3])
       stat('ready_groups')
-      return {1, 'ready'}
+      return 'ready'
     end
     drop_group(f[3], 'reward_error')
     admit()
-    return {1, 'dropped'}
+    return 'dropped'
   end
-  return {1, 'generating'}
+  return 'generating'
 end
 local out = {}
 for j = 0, tonumber(ARGV[12]) - 1 do
