@@ -337,6 +337,7 @@ class _BufferWatcher:
         self.multi_version_samples = 0
         self.resumed_samples = 0
         self.last_stats: dict[str, Any] = {}
+        self.states_seen: dict[str, set[str]] = {"groups": set(), "samples": set()}
 
     async def _inspect_groups(self, cursor: int) -> None:
         from asyncrl.feeder import group_id_for
@@ -380,10 +381,12 @@ class _BufferWatcher:
             "buffer/appended_tokens": counters.get("appended_tokens", 0),
             "buffer/acked_groups": counters.get("acked_groups", 0),
         }
-        for state, count in st.get("groups_by_state", {}).items():
-            m[f"buffer/groups_{state}"] = count
-        for state, count in st.get("samples_by_state", {}).items():
-            m[f"buffer/samples_{state}"] = count
+        # states seen once keep being reported (as 0) so displays never show a stale count
+        for kind in ("groups", "samples"):
+            counts = st.get(f"{kind}_by_state", {})
+            self.states_seen[kind].update(counts)
+            for state in sorted(self.states_seen[kind]):
+                m[f"buffer/{kind}_{state}"] = counts.get(state, 0)
         for reason, count in st.get("dropped_by_reason", {}).items():
             m[f"buffer/drops_{reason}"] = count
         hist = {int(k): v for k, v in st.get("staleness_histogram", {}).items()}
@@ -426,6 +429,8 @@ class Controller:
         self.redis = None
         self.redis_url = ""
         self.failed: str | None = None
+        self.rollout_urls: list[str] = []
+        self.scraper = _RolloutScraper([])
 
     # -- signals --------------------------------------------------------------------------------
 
@@ -507,7 +512,6 @@ class Controller:
 
     def role_specs(self, assignment: Assignment) -> list[Any]:
         """The feeder, rollout server and trainer :class:`~asyncrl.supervisor.RoleSpec` s."""
-        from asyncrl.redis_server import free_port
         from asyncrl.supervisor import RoleSpec, http_health_check, role_command
 
         cfg, env = self.cfg, self._child_env()
@@ -517,25 +521,25 @@ class Controller:
                           fatal_exit_codes=FATAL_EXIT_CODES,
                           stop_grace_seconds=10.0)]
         urls = list(cfg.rollout.server_urls)
+        base_port = cfg.rollout.base_port
+        n = len(assignment.rollout_cores)
+        if not urls and not _ports_free(cfg.rollout.host, base_port, n):
+            # another run holds the configured ports: move this run's servers to free ones
+            base_port = _free_port_range(cfg.rollout.host, n)
+            print(f"asyncrl train: ports {cfg.rollout.base_port}..{cfg.rollout.base_port + n - 1} are busy; "
+                  f"rollout servers use {base_port}..{base_port + n - 1}", file=sys.stderr)
+            env["ASYNCRL_ROLLOUT__BASE_PORT"] = str(base_port)
+        self.rollout_urls = []
         for i, cores in enumerate(assignment.rollout_cores):
             renv = dict(env)
-            if urls:
-                renv["ASYNCRL_ROLLOUT__SERVER_URLS"] = json.dumps([urls[i]])
-                health = http_health_check(urls[i].rstrip("/") + "/health")
-            else:
-                port = cfg.rollout.base_port + i
-                if not _port_free(cfg.rollout.host, port):
-                    port = free_port(cfg.rollout.host)
-                renv["ASYNCRL_ROLLOUT__BASE_PORT"] = str(port)
-                renv["ASYNCRL_ROLLOUT__NUM_SERVERS"] = "1"
-                health = http_health_check(f"http://{cfg.rollout.host}:{port}/health")
+            url = urls[i].rstrip("/") if urls else f"http://{cfg.rollout.host}:{base_port + i}"
+            self.rollout_urls.append(url)
             if cores is not None and cfg.rollout.engine_threads is None:
                 renv["ASYNCRL_ROLLOUT__ENGINE_THREADS"] = str(len(cores))
-            renv["ASYNCRL_ROLLOUT_SERVER_INDEX"] = str(i)
-            specs.append(RoleSpec(f"rollout-{i}", role_command("rollout-server", *cfg_arg), env=renv, cores=cores,
-                                  gpus=assignment.rollout_gpus[i], restart=True, stop_order=1,
-                                  fatal_exit_codes=FATAL_EXIT_CODES,
-                                  stop_grace_seconds=30.0, health_check=health, health_interval_seconds=5.0,
+            specs.append(RoleSpec(f"rollout-{i}", role_command("rollout-server", *cfg_arg, "--server_index", str(i)),
+                                  env=renv, cores=cores, gpus=assignment.rollout_gpus[i], restart=True, stop_order=1,
+                                  fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=30.0,
+                                  health_check=http_health_check(url + "/health"), health_interval_seconds=5.0,
                                   health_failures=6))
         tenv = dict(env)
         world = cfg.trainer.world_size
@@ -591,6 +595,7 @@ class Controller:
             if sup is not None:
                 self.clock.add_pause(seconds)
                 sup.resume()
+                self.scraper.reset()
             self.eval_seconds_total += seconds
             self.progress.set_status("training")
         self.last_eval_step = self.trainer_step
@@ -697,6 +702,8 @@ class Controller:
             except RedisServerError as exc:
                 print(f"asyncrl train: {exc}", file=sys.stderr)
                 return 1
+            from redis.exceptions import RedisError
+
             from buffers import BufferSettings, ReplayBuffer
 
             buf = await ReplayBuffer.open(self.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
@@ -708,6 +715,7 @@ class Controller:
             sup = Supervisor(self.run_dir / "logs")
             for spec in self.role_specs(assignment):
                 sup.start(spec)
+            self.scraper = _RolloutScraper(self.rollout_urls)
             self.progress.set_status("training")
             next_stats = 0.0
             over = False
@@ -723,8 +731,8 @@ class Controller:
                 if time.monotonic() >= next_stats:
                     next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
                     try:
-                        self._log(await watcher.poll(wall))
-                    except (OSError, ConnectionError) as exc:  # Redis restarting: next poll
+                        self._log({**await watcher.poll(wall), **await self.scraper.poll()})
+                    except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll
                         print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
                     self._write_state("running")
                 if eval_on and not over and self.trainer_step > 0 and \
@@ -751,6 +759,7 @@ class Controller:
             if eval_on and self.last_eval_step != self.trainer_step and status != "failed":
                 await self._evaluate(buf, None, assignment)
             self._write_state(status)
+            self.progress.stop()
             self._summary(watcher, status)
             return 1 if status == "failed" else 0
         except _ForceStop:
@@ -790,15 +799,94 @@ class Controller:
         print("\n".join(lines), file=sys.stderr)
 
 
-def _port_free(host: str, port: int) -> bool:
+def _ports_free(host: str, first: int, n: int) -> bool:
+    """True when ports ``first .. first + n - 1`` can be bound on ``host`` now."""
     import socket
 
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
+    for port in range(first, first + n):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def _free_port_range(host: str, n: int) -> int:
+    """First port of ``n`` consecutive free ports on ``host``.
+
+    Raises:
+        ControllerError: none found after a few tries.
+    """
+    from asyncrl.redis_server import free_port
+
+    for _ in range(50):
+        first = free_port(host)
+        if first + n <= 65535 and _ports_free(host, first, n):
+            return first
+    raise ControllerError(f"no {n} consecutive free ports on {host}: set --rollout.base_port")
+
+
+def parse_prometheus_totals(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of every sample of each metric in ``names`` in a Prometheus text exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
+class _RolloutScraper:
+    """Idle ratio and generated tokens/s of each rollout server, from its engine's ``/metrics``.
+
+    Rates are over the last ~10 s of host time; :meth:`reset` after an evaluation pause (a
+    stopped process's idle tracker keeps counting).
+    """
+
+    IDLE = "asyncrl_rollout_idle_seconds_total"
+    TOKENS = "asyncrl_rollout_generated_tokens_total"
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.window: dict[str, deque[tuple[float, dict[str, float]]]] = {u: deque() for u in urls}
+
+    def reset(self) -> None:
+        for w in self.window.values():
+            w.clear()
+
+    async def poll(self) -> dict[str, float]:
+        import aiohttp
+
+        out: dict[str, float] = {}
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for i, url in enumerate(self.urls):
+                try:
+                    async with session.get(url + "/metrics") as resp:
+                        if resp.status != 200:
+                            continue
+                        text = await resp.text()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    continue
+                now = time.monotonic()
+                window = self.window[url]
+                window.append((now, parse_prometheus_totals(text, (self.IDLE, self.TOKENS))))
+                while len(window) > 2 and now - window[0][0] > 10.0:
+                    window.popleft()
+                (t0, v0), (t1, v1) = window[0], window[-1]
+                if t1 <= t0:
+                    continue
+                if self.IDLE in v0 and self.IDLE in v1:
+                    out[f"idle_ratio/rollout-{i}"] = min(1.0, max(0.0, (v1[self.IDLE] - v0[self.IDLE]) / (t1 - t0)))
+                if self.TOKENS in v0 and self.TOKENS in v1:
+                    out[f"rollout/tokens_per_second_{i}"] = max(0.0, (v1[self.TOKENS] - v0[self.TOKENS]) / (t1 - t0))
+        return out
 
 
 def main(argv: list[str]) -> int:

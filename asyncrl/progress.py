@@ -72,6 +72,7 @@ class Progress:
         self._last_plain = float("-inf")
         self._plain_step = -1
         self._eval_pending = False
+        self._stopped = False
 
     # -- feeding -------------------------------------------------------------------------------
 
@@ -164,7 +165,10 @@ class Progress:
         return self
 
     def stop(self) -> None:
-        """Draw the final state and end the live display."""
+        """Draw the final state and end the live display (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._live is not None:
             self._live.update(self.render(), refresh=True)
             self._live.stop()
