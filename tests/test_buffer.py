@@ -14,7 +14,7 @@ import sys
 import pytest
 import redis.asyncio as aioredis
 
-from asyncrl.types import GroupState, SampleStatus, WorkKind
+from asyncrl.types import GroupState, PromptGroup, SampleStatus, WorkKind
 from buffers import (
     BadOffset,
     BadRequest,
@@ -634,8 +634,10 @@ async def test_smaller_last_batch_at_end_of_dataset(redis_url):
 async def test_concurrent_appends_are_coalesced_with_independent_errors(redis_url, redis_server):
     buf = await open_buf(redis_url, rollout_batch_size=8, train_batch_groups=8, n_samples_per_prompt=4)
     await feed(buf, 8)
-    items = await buf.claim("w", 32)
-    assert len(items) == 32
+    claims = await asyncio.gather(*(buf.claim(f"w{i}", 10) for i in range(4)))  # coalesced into one call
+    items = [it for c in claims for it in c]
+    assert [len(c) for c in claims] == [10, 10, 10, 2]
+    assert len({it.sample_id for it in items}) == 32 and len({it.claim_token for it in items}) == 32
     calls = []
     orig = buf._scripts.run
 
@@ -677,3 +679,45 @@ def test_cli_inspect_decodes_text_with_tokenizer(redis_url, tiny_model_dir, caps
                      "--tokenizer", str(tiny_model_dir)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["text"] == tok.decode(ids) and d["status"] == "complete" and d["finish_reason"] == "stop"
+
+
+async def test_more_error_paths_change_nothing(redis_url):
+    buf = await open_buf(redis_url, n_samples_per_prompt=2, rollout_batch_size=2, train_batch_groups=1)
+    with pytest.raises(BadRequest, match="n_samples"):
+        await buf.feed([PromptGroup("x", [1], {}, n_samples=0)], 0)
+    await feed(buf, 2)
+    with pytest.raises(BadRequest, match="max_items"):
+        await buf.claim("w", 0)
+    assert await buf.renew([]) == 0
+    with pytest.raises(TimeoutError):
+        await buf.wait_batch(1, timeout_seconds=0.1)
+    # a damaged fresh sample: claim reports it and leases nothing of it
+    key = buf.prefix + "sample:g0/0"
+    await buf.redis.hset(key, "ids", b"\x00")
+    with pytest.raises(MalformedData):
+        await buf.claim("w", 1)
+    assert (await buf.redis.hget(key, "status")) == b"pending"
+    await buf.redis.hset(key, "ids", b"")
+    items = await buf.claim("w", 4)
+    a = next(i for i in items if i.sample_id == "g0/0")
+    await gen(buf, a, 2, 0, "stop")
+    # a damaged group: score refuses and the sample stays COMPLETE
+    await buf.redis.hset(buf.prefix + "group:g0", "n_scored", "x")
+    with pytest.raises(MalformedData):
+        await buf.score(a, reward=1.0)
+    assert (await buf.get_sample("g0/0")).status == SampleStatus.COMPLETE
+    with pytest.raises(BadRequest):
+        await buf.score(a, reward=1.0, advantages=float("nan"))
+    with pytest.raises(BadRequest):
+        await buf.score(a, reward=1.0, advantages=[float("nan"), 0.0])
+    ghost = type(a)(**{**a.__dict__, "sample_id": "zz/0"})
+    with pytest.raises(UnknownItem):
+        await buf.score(ghost, reward=1.0)
+    with pytest.raises(BadRequest):
+        await buf.clock.publish(-1, "u", "c")
+    # the run was drained under an open client: every script says so, nothing is recreated
+    await buf.drain()
+    with pytest.raises(SchemaMismatch, match="no schema key"):
+        await buf.claim("w", 1)
+    assert await buf.redis.keys(buf.prefix.replace("{", "\\{").replace("}", "\\}") + "*") == []
+    await buf.close()
