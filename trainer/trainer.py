@@ -474,12 +474,16 @@ class Trainer:
         dtype = dtype or getattr(torch, self.cfg.model.dtype)
         module = self.module
 
+        zero3 = self.engine.zero_optimization_stage() == 3
+
         def collect():
             if self.rank != 0:
                 return None
-            return {k: v.detach().to(dtype=dtype, copy=True).cpu() for k, v in module.state_dict().items()}
+            # Outside ZeRO-3 the parameters stay valid while the (synchronous) publish runs, so a
+            # tensor already in the right dtype is not copied; gathered ZeRO-3 tensors are.
+            return {k: v.detach().to(dtype=dtype, copy=zero3).cpu() for k, v in module.state_dict().items()}
 
-        if self.engine.zero_optimization_stage() == 3:
+        if zero3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
