@@ -423,7 +423,7 @@ class Engine:
         while self._pending_updates:
             state, version, fut = self._pending_updates.pop(0)
             try:
-                params = dict(self.model.named_parameters())
+                params = self._named_tensors()
                 with torch.no_grad():
                     for name, tensor in state.items():
                         params[name].copy_(tensor.to(params[name].dtype))
@@ -434,6 +434,10 @@ class Engine:
             except Exception as exc:  # pragma: no cover - validated beforehand
                 fut.set_exception(exc)
 
+    def _named_tensors(self) -> dict:
+        """Every loadable tensor by name, tied aliases included (``lm_head.weight`` of tied embeddings)."""
+        return dict(self.model.state_dict(keep_vars=True))
+
     def _validate_state(self, state: dict) -> None:
         """Every tensor must name a parameter of the model with the same shape (nothing half-applied).
 
@@ -441,7 +445,7 @@ class Engine:
             RequestError: unknown names, shape mismatches, or parameters missing from ``state``
                 (tied weights excepted).
         """
-        params = dict(self.model.named_parameters())
+        params = self._named_tensors()
         unknown = sorted(set(state) - set(params))
         if unknown:
             raise RequestError(f"weights contain unknown parameter(s) {unknown[:5]} (model has e.g. {next(iter(params))})")

@@ -1,0 +1,138 @@
+"""Rollout benchmark, part (a): the embedded server against the engine's own ceiling.
+
+For each concurrency B (default 1, 8, 32):
+
+* **ceiling** — in this process, a static batch of B prompts of the same length is prefilled
+  once and decoded for ``--gen-tokens`` steps in a plain loop with transformers' KV cache
+  (``DynamicCache``) and the same sampling (temperature 1, multinomial) — no server, no
+  HTTP, no scheduling: what the model itself can do on this machine;
+* **server** — the embedded server (``python -m rollout_server.server``, a separate process)
+  receives B concurrent *streamed* ``/generate`` requests (``return_logprob``,
+  ``ignore_eos``, same prompts and lengths) from the asyncrl client; the clock runs from the
+  first request sent to the last ``[DONE]``.
+
+Both report generated tokens per second; the ratio server/ceiling is the efficiency of
+continuous batching + HTTP streaming (target at B = 32: >= 0.85). Both sides use the same
+number of torch threads (``--threads``). Prompts are chat-formatted arithmetic questions cut
+or padded to ``--prompt-tokens`` tokens.
+
+Run: ``python bench/rollout_bench.py [--model smollm2-135m-instruct] [--concurrency 1 8 32]
+[--prompt-tokens 64] [--gen-tokens 128] [--threads 2] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """``n`` distinct chat-formatted prompts of exactly ``length`` tokens."""
+    prompts = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"What is {17 + i} + {29 * (i + 1)}? Think step by step. " * 8}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        ids = (ids * (length // max(1, len(ids)) + 1))[-length:]
+        prompts.append(ids)
+    return prompts
+
+
+def ceiling(model, prompts: list[list[int]], gen_tokens: int, seed: int = 0) -> float:
+    """Tokens/s of a static batch decoded with a KV cache in a plain loop (prefill included)."""
+    import torch
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(prompts)
+    B = ids.shape[0]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for step in range(gen_tokens):
+            logits = out.logits[:, -1, :].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            nxt = torch.multinomial(logprobs.exp(), 1, generator=g)
+            _ = logprobs.gather(1, nxt)
+            if step == gen_tokens - 1:
+                break
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return B * gen_tokens / (time.perf_counter() - t0)
+
+
+async def server_run(url: str, prompts: list[list[int]], gen_tokens: int) -> float:
+    """Tokens/s of B concurrent streamed requests against a running server."""
+    from rollout_server.client import EngineClient
+
+    body = {"max_new_tokens": gen_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}
+    async with EngineClient(url) as c:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(c.generate_collect(p, body) for p in prompts))
+        dt = time.perf_counter() - t0
+    n = sum(len(r.token_ids) for r in results)
+    assert n == len(prompts) * gen_tokens, n
+    return n / dt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per point (the best is kept)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
+    import torch
+
+    torch.set_num_threads(a.threads)
+    from asyncrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from rollout_server.testing import start_embedded_server
+
+    path = resolve_model_path(a.model)
+    model, tok = load_causal_lm(path), load_tokenizer(path)
+    prompts_all = make_prompts(tok, max(a.concurrency), a.prompt_tokens)
+    srv = start_embedded_server(path, "--max-running-requests", str(max(64, max(a.concurrency))), threads=a.threads)
+    rows = []
+    try:
+        # warm both paths once
+        ceiling(model, prompts_all[:2], 4)
+        asyncio.run(server_run(srv.url, prompts_all[:2], 4))
+        for B in a.concurrency:
+            prompts = prompts_all[:B]
+            ceil_best = serv_best = 0.0
+            for _ in range(a.repeats):
+                ceil_best = max(ceil_best, ceiling(model, prompts, a.gen_tokens))
+                serv_best = max(serv_best, asyncio.run(server_run(srv.url, prompts, a.gen_tokens)))
+            rows.append({"concurrency": B, "ceiling_tokens_per_second": ceil_best, "server_tokens_per_second": serv_best,
+                         "ratio": serv_best / ceil_best})
+            print(f"B={B:3d}  ceiling {ceil_best:8.1f} tok/s  server {serv_best:8.1f} tok/s  ratio {serv_best / ceil_best:5.2f}",
+                  flush=True)
+    finally:
+        srv.stop()
+    result = {"model": str(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": a.threads,
+              "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=2))
+    print("| concurrent streamed requests | ceiling (tok/s) | server (tok/s) | server / ceiling |")
+    print("|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['ceiling_tokens_per_second']:.1f} | {r['server_tokens_per_second']:.1f} | {r['ratio']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
