@@ -130,14 +130,14 @@ def test_crash_rounds_quick(redis_server, tmp_path):
 
 @pytest.mark.slow
 def test_crash_rounds_seeded(redis_server, tmp_path):
-    """24 seeded rounds; every third one also kills redis-server. Every crash kind is exercised."""
+    """20 seeded rounds; every third one also kills redis-server. Every crash kind is exercised."""
     totals = {"worker": 0, "trainer": 0, "feeder": 0, "redis": 0, "lineage_bumps": 0}
-    for seed in range(100, 124):
+    for seed in range(100, 120):
         r = run_round(redis_server, tmp_path, seed, kill_redis=seed % 3 == 0)
         totals["worker"] += r["kills"]["w0"] + r["kills"]["w1"]
         totals["trainer"] += r["kills"]["trainer"]
         totals["feeder"] += r["kills"]["feeder"]
         totals["redis"] += r["kills"].get("redis", 0)
         totals["lineage_bumps"] += r["lineage"]
-    assert totals["worker"] >= 20 and totals["trainer"] >= 12 and totals["redis"] == 8, totals
+    assert totals["worker"] >= 20 and totals["trainer"] >= 10 and totals["redis"] == 6, totals
     assert totals["lineage_bumps"] >= 1, totals

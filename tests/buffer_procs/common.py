@@ -29,7 +29,7 @@ from buffers import BufferSettings  # noqa: E402
 MAX_LEN = 20
 SETTINGS = BufferSettings(
     rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=6,
-    max_response_len=MAX_LEN, max_staleness=1, stale_policy="restart", lease_seconds=1.0, flush_tokens=4,
+    max_response_len=MAX_LEN, max_staleness=1, stale_policy="restart", lease_seconds=0.5, flush_tokens=4,
 )
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
