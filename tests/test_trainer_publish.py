@@ -94,3 +94,13 @@ async def test_http_transport_download_verifies_and_installs(tmp_path):
             await download_weights(server.url + "/weights/", checksum, tmp_path / "x")
     finally:
         server.stop()
+
+
+def test_extra_files_are_checksummed_and_names_checked(tmp_path):
+    path, _ = write_weights(tmp_path, 1, _sd(1), {}, extra_files={"tokenizer.json": b"{}"})
+    assert (path / "tokenizer.json").read_bytes() == b"{}"
+    assert "tokenizer.json" in (path / "SHA256SUMS").read_text()
+    for bad in ("../evil", ".hidden", "SHA256SUMS", "model.safetensors"):
+        with pytest.raises(PublishError, match="not allowed"):
+            write_weights(tmp_path, 2, _sd(2), {}, extra_files={bad: b"x"})
+        assert list_versions(tmp_path) == [1] and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

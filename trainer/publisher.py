@@ -3,6 +3,7 @@
 ``publish`` writes ``<weights_dir>/v<version:06d>/`` containing ``config.json``,
 ``model.safetensors`` (the full weights in the engine's dtype; tied embeddings stored once, as
 ``save_pretrained`` does), ``generation_config.json`` when the source model has one, and
+the source model's tokenizer files (so a version directory is a complete model directory), and
 ``SHA256SUMS`` (``sha256sum`` format, one line per file). Atomicity: everything is written into
 a hidden temporary directory, each file and the directory are fsynced, the directory is renamed
 into place and the parent fsynced, so a reader sees either no version directory or a complete
@@ -20,7 +21,13 @@ Transports (ARCHITECTURE §7, pull):
   ``SHA256SUMS`` and every file it lists, verifies each hash (and the announced checksum),
   and installs the directory atomically on local disk, ready for ``/update_weights_from_disk``.
   Nothing received is unpickled: safetensors and JSON only.
-- ``nccl`` is the rollout side's choreography (engineer C); it is not implemented here.
+- ``nccl``: the weights are still written to disk first (durable; new or restarted servers
+  load them from there), then :class:`NcclWeightPusher` broadcasts them to the running engines
+  with SGLang's choreography (``/init_weights_update_group`` once, then
+  ``/update_weights_from_distributed`` + one broadcast per tensor, via
+  ``rollout_server.weights.DistributedWeightSender``): NCCL where CUDA exists, gloo on CPU.
+  The announced uri is the disk directory; engines already updated report the new
+  ``weight_version`` and skip the reload.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ __all__ = [
     "verify_weights_dir",
     "WeightFileServer",
     "download_weights",
+    "NcclWeightPusher",
 ]
 
 WEIGHTS_FILE = "model.safetensors"
@@ -121,6 +129,7 @@ def write_weights(
     config_json: dict[str, Any],
     *,
     generation_config_json: dict[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     keep_last: int | None = None,
 ) -> tuple[Path, str]:
     """Write one version directory atomically and prune old versions.
@@ -131,6 +140,8 @@ def write_weights(
         state_dict: name -> CPU tensor, already in the engine dtype, tied duplicates removed.
         config_json: the model's ``config.json`` content (its ``dtype`` should match the tensors).
         generation_config_json: optional ``generation_config.json`` content.
+        extra_files: other files copied verbatim (the tokenizer files, so that a version directory
+            is a complete model directory usable as ``--model-path``).
         keep_last: keep only this many newest versions (None: keep all).
 
     Returns:
@@ -157,6 +168,10 @@ def write_weights(
         if generation_config_json is not None:
             sums["generation_config.json"] = _write_file(tmp / "generation_config.json",
                                                          json.dumps(generation_config_json, indent=2).encode())
+        for name, data in (extra_files or {}).items():
+            if "/" in name or name.startswith(".") or name in sums or name == SUMS_FILE:
+                raise PublishError(f"extra file name {name!r} is not allowed in a version directory")
+            sums[name] = _write_file(tmp / name, data)
         sums = dict(sorted(sums.items()))
         _write_file(tmp / SUMS_FILE, "".join(f"{h}  {n}\n" for n, h in sums.items()).encode())
         _fsync_dir(tmp)
@@ -165,6 +180,9 @@ def write_weights(
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PublishError(f"writing weights version {version} into {weights_dir} failed: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if keep_last is not None:
         for old in list_versions(weights_dir)[:-keep_last]:
             if old != version:
@@ -366,3 +384,43 @@ async def download_weights(uri: str, checksum: str, dest_root: Path, *, timeout_
 
 
 AnnounceFn = Callable[[int, str, str], Any]
+
+
+class NcclWeightPusher:
+    """Trainer rank 0's side of the ``nccl`` transport: push full weights into running engines.
+
+    Args:
+        urls: the rollout engines' base URLs (``rollout.server_urls``, or the launched servers').
+        master_address: address the engines use to reach this process's rendezvous.
+        backend: ``nccl`` (GPU) or ``gloo`` (CPU; tests).
+        api_key: bearer token of the engines' state-changing endpoints.
+
+    The process group is created on the first :meth:`push` and reused.
+    """
+
+    def __init__(self, urls: list[str], master_address: str = "127.0.0.1", backend: str = "gloo",
+                 api_key: str | None = None, timeout_seconds: float = 300.0):
+        if not urls:
+            raise PublishError("weight_sync.transport=nccl needs the engines' URLs (rollout.server_urls)")
+        self.urls, self.master_address, self.backend = list(urls), master_address, backend
+        self.api_key, self.timeout_seconds = api_key, timeout_seconds
+        self._sender = None
+
+    async def push(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Broadcast ``state_dict`` to every engine as ``weight_version = str(version)``."""
+        from rollout_server.launch import free_port
+        from rollout_server.weights import DistributedWeightSender
+
+        if self._sender is None:
+            sender = DistributedWeightSender(self.urls, self.master_address, free_port(self.master_address),
+                                             backend=self.backend, api_key=self.api_key,
+                                             timeout_seconds=self.timeout_seconds)
+            await sender.init()
+            self._sender = sender
+        await self._sender.send(dict(state_dict), version=str(version))
+
+    async def close(self) -> None:
+        """Destroy the weight-update group on the engines and here."""
+        if self._sender is not None:
+            await self._sender.close()
+            self._sender = None

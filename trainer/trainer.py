@@ -137,7 +137,8 @@ class Trainer:
             model = load_causal_lm(cfg.model.path, "float32")
         _disable_dropout(model)
         self.model_config = model.config
-        self.model_source = getattr(model, "name_or_path", None) or str(cfg.model.path)
+        self.model_source = self._model_source(cfg.model.path, model)
+        self._extra_files = self._tokenizer_files() if self.rank == 0 else {}
         self.engine = build_engine(model, cfg)
         self.ref_model = None
         if cfg.trainer.loss.kl_coef > 0:
@@ -161,6 +162,15 @@ class Trainer:
             from trainer.publisher import WeightFileServer
 
             self.http_server = WeightFileServer(self.weights_dir, cfg.rollout.host, cfg.weight_sync.http_port).start()
+        self.nccl_pusher = None
+        if cfg.weight_sync.transport == "nccl" and self.rank == 0:
+            from trainer.publisher import NcclWeightPusher
+
+            urls = list(cfg.rollout.server_urls) or [
+                f"http://{cfg.rollout.host}:{cfg.rollout.base_port + i}" for i in range(cfg.rollout.num_servers)]
+            self.nccl_pusher = NcclWeightPusher(urls, cfg.rollout.host if cfg.rollout.host != "0.0.0.0" else "127.0.0.1",
+                                                backend="nccl" if torch.cuda.is_available() else "gloo",
+                                                api_key=cfg.security.api_key)
         self._plan: StepPlan | None = None
         self._pending_last = False
         self._aio: asyncio.AbstractEventLoop | None = None
@@ -168,6 +178,27 @@ class Trainer:
         self._install_grad_norm_probe()
 
     # ------------------------------------------------------------------ plumbing
+
+    @staticmethod
+    def _model_source(path: str, model: Any) -> Path | None:
+        from asyncrl.models import resolve_model_path
+
+        for candidate in (path, getattr(model, "name_or_path", None)):
+            if not candidate:
+                continue
+            try:
+                return Path(resolve_model_path(candidate))
+            except Exception:  # a name that is not prepared: no files to copy
+                continue
+        return None
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        """Tokenizer files of the source model, copied into every published version directory."""
+        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                 "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+        if self.model_source is None:
+            return {}
+        return {n: (self.model_source / n).read_bytes() for n in names if (self.model_source / n).is_file()}
 
     @property
     def module(self) -> torch.nn.Module:
@@ -519,12 +550,13 @@ class Trainer:
             config["torch_dtype"] = self.cfg.model.dtype
             config["use_cache"] = True
             gen = None
-            src = Path(self.model_source) / "generation_config.json"
-            if src.is_file():
-                gen = json.loads(src.read_text())
+            if self.model_source is not None and (self.model_source / "generation_config.json").is_file():
+                gen = json.loads((self.model_source / "generation_config.json").read_text())
             path, checksum = write_weights(self.weights_dir, version, sd, config, generation_config_json=gen,
-                                           keep_last=self.cfg.weight_sync.keep_last)
+                                           extra_files=self._extra_files, keep_last=self.cfg.weight_sync.keep_last)
             uri = self.http_server.uri_for(version) if self.http_server is not None else str(path.resolve())
+            if self.nccl_pusher is not None:
+                self.run_async(self.nccl_pusher.push(sd, version))
             if self.announce is not None:
                 self.run_async(self.announce(version, uri, checksum))
             out.update({"publish_seconds": time.perf_counter() - start,
@@ -639,6 +671,9 @@ class Trainer:
         if self.http_server is not None:
             self.http_server.stop()
             self.http_server = None
+        if self.nccl_pusher is not None:
+            self.run_async(self.nccl_pusher.close())
+            self.nccl_pusher = None
         if self._aio is not None:
             self._aio.close()
             self._aio = None
