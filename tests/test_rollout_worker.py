@@ -1,0 +1,270 @@
+"""The streaming rollout worker against real servers and a real redis-server (issue 4 item 3).
+
+Real HTTP to embedded engine processes (the tiny random model, fp32), a real redis-server
+(fixture ``redis_url``), real weight files written the way the trainer publishes them
+(:func:`trainer.publisher.write_weights` + the version clock). Kill -9 and SIGTERM run the
+``asyncrl rollout-server`` CLI as separate processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.types import PromptGroup, SampleStatus
+from buffers import BufferSettings, ReplayBuffer
+from rollout_server.client import EngineClient
+from rollout_server.testing import make_random_model, recompute_logprobs, start_embedded_server
+from rollout_server.worker import RolloutWorker, WorkerError, WorkerOptions
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+REWARD = "rollout_worker_rewards:length_reward"
+TEMPERATURE = 0.7
+
+
+def _settings(**kw) -> BufferSettings:
+    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=12,
+                max_response_len=12, max_staleness=1, lease_seconds=3.0, flush_tokens=3)
+    base.update(kw)
+    return BufferSettings(**base)
+
+
+def _prompt(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text)["input_ids"])
+
+
+async def _feed(buf: ReplayBuffer, groups: list[PromptGroup]) -> None:
+    await buf.feed(groups, await buf.dataset_cursor())
+
+
+def _worker(buf, url, tokenizer, worker_id, **kw) -> RolloutWorker:
+    from asyncrl.rewards import RewardScorer
+
+    opts = WorkerOptions(worker_id, temperature=TEMPERATURE, max_inflight_requests=kw.pop("inflight", 8),
+                         version_poll_seconds=0.1, **kw)
+    return RolloutWorker(buf, EngineClient(url), RewardScorer(REWARD), tokenizer, opts)
+
+
+async def _run_until(worker: RolloutWorker, cond, timeout_seconds: float = 60.0):
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while not await cond():
+            if task.done():
+                task.result()
+                raise AssertionError("the worker stopped before the condition was met")
+            assert time.monotonic() < deadline, f"condition not met in {timeout_seconds} s: {await worker.buffer.stats()}"
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+    return await task
+
+
+def _ready(buf: ReplayBuffer, n_groups: int):
+    async def cond() -> bool:
+        return (await buf.stats())["groups_by_state"].get("ready", 0) >= n_groups
+    return cond
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from asyncrl.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    """Two well-behaved random models (v0 and the perturbed v1 weights) and their torch modules."""
+    from asyncrl.models import load_causal_lm
+
+    root = tmp_path_factory.mktemp("worker_models")
+    m0 = make_random_model(tiny_model_dir, root / "m0", seed=11)
+    m1 = make_random_model(tiny_model_dir, root / "m1", seed=12)
+    return {"dir0": m0, "dir1": m1, "lm0": load_causal_lm(m0), "lm1": load_causal_lm(m1)}
+
+
+@pytest.fixture(scope="module")
+def server_a(models):
+    srv = start_embedded_server(models["dir0"], "--weight-version", "0")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server_b(models):
+    srv = start_embedded_server(models["dir0"], "--weight-version", "0", "--incremental-streaming-output")
+    yield srv
+    srv.stop()
+
+
+def _publish_weights(weights_dir: Path, version: int, model_dir: Path) -> tuple[Path, str]:
+    """Write ``model_dir``'s weights as policy ``version`` exactly as the trainer publishes them."""
+    from safetensors.torch import load_file
+    from trainer.publisher import write_weights
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    return write_weights(weights_dir, version, state, config)
+
+
+async def test_end_to_end_ready_groups_with_versions_and_logprobs(redis_url, server_a, models, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "e2e", _settings()) as buf:
+        await _feed(buf, [PromptGroup("g0", _prompt(tokenizer, "two plus two"), {}, 2),
+                          PromptGroup("g1", _prompt(tokenizer, "the quick brown fox"), {}, 2)])
+        w = _worker(buf, server_a.url, tokenizer, "w-e2e")
+        stats = await _run_until(w, _ready(buf, 2))
+        await w.client.close()
+        assert stats.completed == 4 and stats.scored == 4 and stats.reward_errors == 0
+        for gid in ("g0", "g1"):
+            group, samples = await buf.get_group(gid)
+            for s in samples:
+                assert s.status == SampleStatus.SCORED
+                T = len(s.response_ids)
+                assert 1 <= T <= 12 and len(s.behaviour_logprobs) == T and s.versions == [0] * T
+                ref = recompute_logprobs(models["lm0"], group.prompt_ids, s.response_ids, TEMPERATURE)
+                assert max(abs(a - b) for a, b in zip(ref, s.behaviour_logprobs)) < 1e-4
+                text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+                assert s.reward == pytest.approx((len(text) % 7) / 7.0)
+                assert s.finish_reason in ("stop", "length")
+                # flushed every 3 tokens, one engine call: one segment covering the whole response
+                assert [(seg.start, seg.end) for seg in s.segments] == [(0, T)]
+
+
+async def test_budget_parking_and_resume_across_versions_on_another_server(redis_url, server_a, server_b, models,
+                                                                           tokenizer, tmp_path):
+    """Budget M=4: two segments under v0 on server A, then v1 is published (perturbed weights)
+    and server B loads it and finishes the samples: tokens of two versions, each token's
+    logprob equal to that version's recomputation."""
+    settings = _settings(n_samples_per_prompt=2, max_budget_tokens=4, max_response_len=12, flush_tokens=2)
+    async with await ReplayBuffer.open(redis_url, "budget", settings) as buf:
+        prompt = _prompt(tokenizer, "count to ten")
+        await _feed(buf, [PromptGroup("g0", prompt, {}, 2)])
+        wa = _worker(buf, server_a.url, tokenizer, "w-a", extra_sampling_params={"ignore_eos": True})
+        items = await buf.claim("w-a", 2)
+        assert len(items) == 2 and all(it.max_new_tokens == 4 for it in items)
+        statuses = await asyncio.gather(*(wa.process(it) for it in items))
+        assert statuses == [SampleStatus.PARTIAL, SampleStatus.PARTIAL]
+        assert wa.stats.parked_budget == 2
+        await wa.client.close()
+        for it in items:
+            s = await buf.get_sample(it.sample_id)
+            assert s.versions == [0] * 4 and s.status == SampleStatus.PARTIAL
+
+        path, sha = _publish_weights(tmp_path / "weights", 1, models["dir1"])
+        await buf.clock.publish(1, str(path), sha)
+
+        wb = _worker(buf, server_b.url, tokenizer, "w-b", extra_sampling_params={"ignore_eos": True})
+        try:
+            stats = await _run_until(wb, _ready(buf, 1))
+            assert stats.weight_updates == 1 and wb.version == 1
+            assert await wb.client.weight_version() == "1"
+            group, samples = await buf.get_group("g0")
+            for s in samples:
+                assert s.status == SampleStatus.SCORED and len(s.response_ids) == 12
+                assert s.versions == [0] * 4 + [1] * 8, s.versions
+                assert s.num_resumes >= 2
+                assert [seg.start for seg in s.segments][:3] == [0, 4, 8]
+                ref0 = recompute_logprobs(models["lm0"], prompt, s.response_ids, TEMPERATURE)
+                ref1 = recompute_logprobs(models["lm1"], prompt, s.response_ids, TEMPERATURE)
+                got = s.behaviour_logprobs
+                assert max(abs(a - b) for a, b in zip(ref0[:4], got[:4])) < 1e-4
+                assert max(abs(a - b) for a, b in zip(ref1[4:], got[4:])) < 1e-4
+                assert max(abs(a - b) for a, b in zip(ref0[4:], got[4:])) > 1e-3  # really the new weights
+        finally:
+            await wb.client.update_weights_from_disk(str(models["dir0"]), weight_version="0")
+            await wb.client.close()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "in_place"])
+async def test_weight_update_mid_stream(redis_url, server_b, models, tokenizer, tmp_path, pause_mode):
+    """A version published while a sample streams: ``abort`` ends the segment at the update
+    (old-version segment, then a new one); ``in_place`` keeps the request running and the
+    engine's per-token versions switch inside one segment."""
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_budget_tokens=900,
+                         max_response_len=900, flush_tokens=4)
+    async with await ReplayBuffer.open(redis_url, "mid", settings) as buf:
+        prompt = _prompt(tokenizer, "tell a long story")
+        await _feed(buf, [PromptGroup("g0", prompt, {}, 1)])
+        w = _worker(buf, server_b.url, tokenizer, "w-mid", pause_mode=pause_mode,
+                    extra_sampling_params={"ignore_eos": True})
+        path, sha = _publish_weights(tmp_path / "weights", 1, models["dir1"])
+
+        published = False
+
+        async def cond() -> bool:
+            nonlocal published
+            s = await buf.get_sample("g0/0")
+            if not published and len(s.response_ids) >= 8:
+                await buf.clock.publish(1, str(path), sha)
+                published = True
+            return s.status == SampleStatus.SCORED
+
+        try:
+            await _run_until(w, cond, timeout_seconds=90)
+            s = await buf.get_sample("g0/0")
+            assert len(s.response_ids) == 900
+            k = s.versions.index(1)
+            assert 8 <= k < 900 and s.versions == [0] * k + [1] * (900 - k)
+            starts = [seg.start for seg in s.segments]
+            if pause_mode == "abort":
+                assert k in starts and any(seg.end == k and seg.finish_reason == "abort" for seg in s.segments)
+            else:
+                assert k not in starts and len(s.segments) == 1
+            ref0 = recompute_logprobs(models["lm0"], prompt, s.response_ids, TEMPERATURE)
+            ref1 = recompute_logprobs(models["lm1"], prompt, s.response_ids, TEMPERATURE)
+            assert max(abs(a - b) for a, b in zip(ref0[:k], s.behaviour_logprobs[:k])) < 1e-4
+            if pause_mode == "abort":  # KV recomputed under the new weights: exactly the new policy
+                assert max(abs(a - b) for a, b in zip(ref1[k:], s.behaviour_logprobs[k:])) < 1e-4
+            # in_place keeps the old weights' KV cache, so later tokens are not the new policy's
+            # recomputation (SGLang behaves the same): the reason abort is the default mode.
+        finally:
+            await w.client.update_weights_from_disk(str(models["dir0"]), weight_version="0")
+            await w.client.close()
+
+
+async def test_reward_error_marks_sample_failed_and_run_continues(redis_url, server_a, tokenizer):
+    """One raising reward: that sample is FAILED with the error, its group trains with the other
+    two. Every reward raising: the group is dropped (``reward_error``). Other groups go on."""
+    settings = _settings(n_samples_per_prompt=3, max_response_len=6, max_budget_tokens=6)
+    async with await ReplayBuffer.open(redis_url, "rerr", settings) as buf:
+        await _feed(buf, [PromptGroup("allbad", _prompt(tokenizer, "explode"), {"fail": True}, 3),
+                          PromptGroup("onebad", _prompt(tokenizer, "wobble"), {"fail_once": f"k{time.time()}"}, 3),
+                          PromptGroup("good", _prompt(tokenizer, "behave"), {}, 3)])
+
+        async def cond() -> bool:
+            st = await buf.stats()
+            return st["groups_by_state"].get("ready", 0) == 2 and st["dropped_by_reason"].get("reward_error") == 1
+
+        w = _worker(buf, server_a.url, tokenizer, "w-rerr")
+        stats = await _run_until(w, cond)
+        await w.client.close()
+        assert stats.reward_errors == 4 and stats.scored == 9
+        assert (await buf.dropped_groups()) == {"allbad": "reward_error"}
+        group, onebad = await buf.get_group("onebad")
+        failed = [s for s in onebad if s.status == SampleStatus.FAILED]
+        assert len(failed) == 1 and "RuntimeError: reward function exploded once" in failed[0].error
+        assert sum(s.status == SampleStatus.SCORED for s in onebad) == 2 and group.state.value == "ready"
+        _, good = await buf.get_group("good")
+        assert all(s.status == SampleStatus.SCORED for s in good)
+
+
+async def test_engine_rejecting_a_prompt_stops_the_worker_with_a_clear_error(redis_url, server_a, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "toolong", _settings()) as buf:
+        await _feed(buf, [PromptGroup("long", [5] * 1020, {}, 2)])  # 1020 + 12 > 1024 context
+        w = _worker(buf, server_a.url, tokenizer, "w-long")
+        with pytest.raises(WorkerError, match=r"long/\d.*rejected|rejected.*long/\d"):
+            await asyncio.wait_for(w.run(asyncio.Event()), 30)
+        await w.client.close()
+        _, samples = await buf.get_group("long")
+        assert all(s.status == SampleStatus.PENDING and not s.response_ids for s in samples)  # given back untouched
