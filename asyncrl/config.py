@@ -128,7 +128,7 @@ class RolloutConfig(_Section):
     """How many rollout servers ``asyncrl train`` launches when ``server_urls`` is empty."""
     host: str = "127.0.0.1"
     """Interface the launched servers listen on (loopback unless configured otherwise)."""
-    base_port: int = Field(30000, ge=1024, le=65000)
+    base_port: int = Field(30000, ge=0, le=65000)
     """Port of the first launched server; 0-based server i listens on ``base_port + i`` (0 picks free ports in tests)."""
     n_samples_per_prompt: int = Field(8, ge=1, le=1024)
     """Samples per prompt group (GRPO needs at least 2)."""
