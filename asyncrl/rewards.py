@@ -138,7 +138,9 @@ def _mv_check(region: str, gold: str | None) -> tuple[str | None, bool, bool]:
     literal = _is_literal(pred[0], extracted)
     if gold is None:
         return extracted, True, False
-    gold_parsed = parse(gold, parsing_timeout=PARSE_TIMEOUT_SECONDS)
+    gold_parsed = parse(gold, parsing_timeout=PARSE_TIMEOUT_SECONDS) or parse(
+        f"${gold}$", parsing_timeout=PARSE_TIMEOUT_SECONDS
+    )  # bare LaTeX such as \sqrt{2} parses only inside math delimiters
     if not gold_parsed:
         return extracted, literal, False
     final = literal or not _is_literal(gold_parsed[0], str(gold_parsed[-1]))

@@ -1,0 +1,249 @@
+"""Tasks: arithmetic determinism and hash-disjoint splits, GSM8K/JSONL/parquet files, chat template, prompt stream."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.config import ArithmeticConfig, DataConfig
+from asyncrl.tasks import (
+    HELDOUT_PERCENT,
+    ArithmeticTask,
+    FileTask,
+    TaskError,
+    TrainPromptStream,
+    is_heldout,
+    load_task,
+    parse_gsm8k_answer,
+    problem_hash,
+    render_prompt,
+)
+
+
+def _arith(seed=0, num_train=500, **kw):
+    return ArithmeticTask(ArithmeticConfig(**kw), num_train, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# arithmetic
+
+
+def test_arithmetic_is_deterministic_and_seeded():
+    a, b, c = _arith(seed=3), _arith(seed=3), _arith(seed=4)
+    first = [a.train_problem(i) for i in range(50)]
+    assert first == [b.train_problem(i) for i in range(50)]
+    assert [p.text for p in first] != [c.train_problem(i).text for i in range(50)]
+    # Random access gives the same problem as sequential access.
+    assert a.train_problem(37) == first[37]
+
+
+def test_arithmetic_gold_answers_and_knobs():
+    task = _arith(digits=3, operators="+-*", n_terms=4)
+    for i in range(200):
+        p = task.train_problem(i)
+        expr = p.metadata["expression"]
+        tokens = expr.split()
+        assert len(tokens) == 2 * 4 - 1
+        nums, ops = [int(t) for t in tokens[::2]], tokens[1::2]
+        assert all(0 <= n <= 999 for n in nums) and set(ops) <= set("+-*")
+        # Independent evaluation with precedence: fold products first, then sums.
+        terms, sign, prod = [], 1, nums[0]
+        for op, n in zip(ops, nums[1:]):
+            if op == "*":
+                prod *= n
+            else:
+                terms.append(sign * prod)
+                sign, prod = (1 if op == "+" else -1), n
+        terms.append(sign * prod)
+        assert p.gold == str(sum(terms)) == p.metadata["gold"]
+        assert p.text == f"What is {expr}?"
+        assert p.metadata["task"] == "arithmetic" and p.metadata["split"] == "train"
+
+
+def test_arithmetic_splits_are_disjoint_by_hash():
+    train_hashes = set()
+    for seed in (0, 1):
+        task = _arith(seed=seed, num_train=3000)
+        for i in range(3000):
+            p = task.train_problem(i)
+            assert p.metadata["problem_hash"] == problem_hash(p.metadata["expression"])
+            assert not is_heldout(p.metadata["problem_hash"])
+            train_hashes.add(p.metadata["problem_hash"])
+    heldout = _arith().heldout(400)
+    held_hashes = {p.metadata["problem_hash"] for p in heldout}
+    assert len(held_hashes) == 400  # distinct
+    assert all(is_heldout(h) for h in held_hashes)
+    assert not (train_hashes & held_hashes)
+    # The share of the problem space that is held out is about HELDOUT_PERCENT.
+    share = sum(is_heldout(problem_hash(f"{a} + {b}")) for a in range(100) for b in range(100)) / 10_000
+    assert abs(share - HELDOUT_PERCENT / 100) < 0.02
+
+
+def test_heldout_does_not_depend_on_run_seed():
+    assert _arith(seed=0).heldout(30) == _arith(seed=9).heldout(30)
+    assert _arith().heldout(10) == _arith().heldout(30)[:10]
+
+
+def test_too_small_arithmetic_space_is_a_clear_error():
+    task = _arith(digits=1, operators="+", n_terms=2)  # 100 problems, ~10 held out
+    with pytest.raises(TaskError, match="distinct held-out problems"):
+        task.heldout(50)
+
+
+def test_train_index_out_of_range():
+    with pytest.raises(IndexError):
+        _arith(num_train=10).train_problem(10)
+
+
+# ------------------------------------------------------------------------------------------------
+# files
+
+
+def test_parse_gsm8k_answer():
+    assert parse_gsm8k_answer("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
+    assert parse_gsm8k_answer("so #### 1,234") == "1234"
+    assert parse_gsm8k_answer("#### $18 ") == "18"
+    assert parse_gsm8k_answer("a #### 1 #### -3.5") == "-3.5"
+    with pytest.raises(TaskError, match="no '####'"):
+        parse_gsm8k_answer("the answer is 72")
+    with pytest.raises(TaskError, match="nothing after"):
+        parse_gsm8k_answer("72 ####  ")
+
+
+def _rows(n):
+    return [{"question": f"Tom has {i} apples and buys {i + 3}. How many?", "answer": f"{i}+{i + 3}\n#### {2 * i + 3}",
+             "source": "unit"} for i in range(n)]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_gsm8k_file_splits_and_gold(tmp_path):
+    rows = _rows(60)
+    task = FileTask(_write_jsonl(tmp_path / "gsm.jsonl", rows), "gsm8k")
+    n_held = sum(is_heldout(problem_hash(r["question"])) for r in rows)
+    assert 0 < n_held < 60 and task.num_train() == 60 - n_held
+    train = [task.train_problem(i) for i in range(task.num_train())]
+    held = task.heldout(n_held)
+    assert {p.text for p in train}.isdisjoint({p.text for p in held})
+    p = train[0]
+    i = int(p.text.split()[2])
+    assert p.gold == str(2 * i + 3) and p.metadata["gold"] == p.gold
+    assert p.metadata["task"] == "gsm8k" and p.metadata["source"] == "unit"
+    with pytest.raises(TaskError, match="distinct held-out"):
+        task.heldout(n_held + 1)
+
+
+def test_gsm8k_row_without_marker_is_an_error(tmp_path):
+    rows = _rows(3) + [{"question": "q?", "answer": "no marker here"}]
+    with pytest.raises(TaskError, match="row 3.*####"):
+        FileTask(_write_jsonl(tmp_path / "bad.jsonl", rows), "gsm8k")
+
+
+def test_jsonl_plain_answers_and_problem_field(tmp_path):
+    rows = [{"problem": f"Compute {i}*2.", "answer": str(2 * i)} for i in range(40)]
+    task = FileTask(_write_jsonl(tmp_path / "d.jsonl", rows), "jsonl")
+    got = {task.train_problem(i).text: task.train_problem(i).gold for i in range(task.num_train())}
+    for r in rows:
+        if r["problem"] in got:
+            assert got[r["problem"]] == r["answer"]
+
+
+def test_parquet_loading(tmp_path):
+    import datasets
+
+    rows = _rows(40)
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    task = load_task(DataConfig(task="parquet", path=path))
+    assert task.num_train() + len(task._heldout) == 40
+    assert task.train_problem(0).gold.isdigit()
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([{"text": "q", "answer": "1"}], "needs a text field"),
+        ([{"question": "q"}], "needs an 'answer' field"),
+    ],
+)
+def test_file_rows_missing_fields(tmp_path, rows, match):
+    with pytest.raises(TaskError, match=match):
+        FileTask(_write_jsonl(tmp_path / "x.jsonl", rows), "jsonl")
+
+
+def test_missing_unreadable_or_unset_files(tmp_path):
+    with pytest.raises(TaskError, match="does not exist"):
+        FileTask(tmp_path / "nope.jsonl", "jsonl")
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not a parquet file at all")
+    with pytest.raises(TaskError, match="cannot read"):
+        FileTask(garbage, "parquet")
+    with pytest.raises(TaskError, match="needs data.path"):
+        load_task(DataConfig(task="gsm8k"))
+    with pytest.raises(TaskError, match="unknown file task kind"):
+        FileTask(garbage, "csv")
+
+
+# ------------------------------------------------------------------------------------------------
+# chat template and stream
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from asyncrl.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_render_prompt_with_chat_template(tokenizer):
+    text, ids = render_prompt(tokenizer, "What is 2 + 3?", "Be brief.")
+    assert "Be brief." in text and "What is 2 + 3?" in text
+    assert text.index("Be brief.") < text.index("What is 2 + 3?")
+    assert text.endswith("<|im_start|>assistant\n")  # add_generation_prompt
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    no_system, _ = render_prompt(tokenizer, "What is 2 + 3?", None)
+    assert "system" not in no_system and "What is 2 + 3?" in no_system
+
+
+def test_render_prompt_without_template_is_an_error(tiny_model_dir):
+    from asyncrl.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = None
+    with pytest.raises(TaskError, match="no chat template"):
+        render_prompt(tok, "q", None)
+
+
+def test_stream_is_deterministic_and_resumable(tokenizer):
+    data = DataConfig(num_train_prompts=7)
+    s = TrainPromptStream(data, tokenizer, seed=5)
+    it = s.iterate(0)
+    first = [next(it) for _ in range(16)]
+    assert [p.cursor for p in first] == list(range(16))
+    # Resume at cursor 9 in a fresh stream: exactly the same continuation.
+    resumed = TrainPromptStream(data, tokenizer, seed=5).iterate(9)
+    assert [next(resumed) for _ in range(7)] == first[9:]
+    # Each epoch visits every train problem exactly once, in a new order.
+    idx = [p.problem.metadata["index"] for p in first]
+    assert sorted(idx[:7]) == sorted(idx[7:14]) == list(range(7))
+    assert idx[:7] != idx[7:14]
+    assert [p.problem.metadata["epoch"] for p in first[6:8]] == [0, 1]
+    other = TrainPromptStream(data, tokenizer, seed=6)
+    assert [other.get(c).problem.text for c in range(7)] != [p.problem.text for p in first[:7]]
+    p = first[0]
+    assert p.prompt_ids == render_prompt(tokenizer, p.problem.text, data.system_prompt)[1]
+    with pytest.raises(ValueError, match="cursor"):
+        s.get(-1)
+
+
+def test_stream_over_a_file_task(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "g.jsonl", _rows(30))
+    s = TrainPromptStream(DataConfig(task="gsm8k", path=path), tokenizer, seed=0)
+    texts = [s.get(c).problem.text for c in range(len(s))]
+    assert len(set(texts)) == len(s) == s.task.num_train()
+    assert all(not is_heldout(problem_hash(t)) for t in texts)
