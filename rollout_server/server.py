@@ -82,6 +82,7 @@ class ServerOptions:
         random_seed: int = 0,
         served_model_name: str | None = None,
         stream_interval: int = 1,
+        skip_tokenizer_init: bool = False,
     ):
         self.model_path = str(model_path)
         self.host, self.port = host, int(port)
@@ -94,6 +95,7 @@ class ServerOptions:
         self.random_seed = int(random_seed)
         self.served_model_name = served_model_name or self.model_path
         self.stream_interval = int(stream_interval)
+        self.skip_tokenizer_init = bool(skip_tokenizer_init)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -134,7 +136,7 @@ class RolloutHTTPServer:
             from asyncrl.models import load_causal_lm, load_tokenizer
 
             self._model = load_causal_lm(self.opts.model_path)
-            self._tokenizer = load_tokenizer(self.opts.model_path)
+            self._tokenizer = None if self.opts.skip_tokenizer_init else load_tokenizer(self.opts.model_path)
         ctx = self.opts.context_length or getattr(self._model.config, "max_position_embeddings", None) or 2048
         self.engine = Engine(
             self._model,
@@ -270,6 +272,8 @@ class RolloutHTTPServer:
             params = [SamplingParams.from_dict(x, eng.vocab_size) for x in sp_raw]
         else:
             params = [SamplingParams.from_dict(sp_raw, eng.vocab_size)] * nb
+        if self._tokenizer is None and any(p.stop or p.min_new_tokens for p in params):
+            raise RequestError("stop strings and min_new_tokens need the tokenizer (server runs --skip-tokenizer-init)")
         rl = body.get("return_logprob")
         rl = rl if isinstance(rl, list) else [rl] * nb
         if len(rl) != nb or not all(x is None or isinstance(x, bool) for x in rl):
@@ -365,7 +369,11 @@ class RolloutHTTPServer:
         except asyncio.CancelledError:
             self._abort_samples(samples)
             raise
-        outs = [self._output(s, s.published, 0, final=True, incremental=False)[0] for s in samples]
+        outs = [
+            self._output(s, s.published, 0, final=True, incremental=False,
+                         text_now=self._decode(s, s.output_ids[: s.published[0]], s.published[1]) if self._tokenizer else "")
+            for s in samples
+        ]
         for s, o in zip(samples, outs):
             status = (s.finish_reason or {}).get("status_code")
             if status in (400, 500, 503) and not is_batch:
@@ -383,6 +391,7 @@ class RolloutHTTPServer:
         incremental = self.opts.incremental_streaming_output
         sent = {id(s): 0 for s in samples}
         text_sent = {id(s): "" for s in samples}
+        detok = {id(s): _IncrementalDetokenizer(self._tokenizer, s.params) for s in samples} if self._tokenizer else {}
         done: set[int] = set()
         multi = len(samples) > 1
         try:
@@ -398,9 +407,13 @@ class RolloutHTTPServer:
                     if fin is None and (n == 0 or n - sent[id(s)] < interval):
                         continue
                     start = sent[id(s)] if incremental else 0
-                    out, text_sent[id(s)] = self._output(
-                        s, (n, fin), start, final=fin is not None, incremental=incremental, text_prev=text_sent[id(s)]
-                    )
+                    text_now = ""
+                    if self._tokenizer is not None:
+                        ids = s.output_ids[:n]
+                        text_now = self._decode(s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
+                    out = self._output(s, (n, fin), start, final=fin is not None, incremental=incremental,
+                                       text_prev=text_sent[id(s)], text_now=text_now)
+                    text_sent[id(s)] = text_now
                     if multi:
                         out["index"] = s.index
                     sent[id(s)] = n
@@ -416,12 +429,13 @@ class RolloutHTTPServer:
         return resp
 
     def _output(
-        self, s: EngineSample, snap: tuple, start: int, final: bool, incremental: bool, text_prev: str = ""
-    ) -> tuple[dict, str]:
+        self, s: EngineSample, snap: tuple, start: int, final: bool, incremental: bool, text_prev: str = "",
+        text_now: str = "",
+    ) -> dict:
         """One response object (SGLang ``_handle_batch_output`` shape) for tokens ``[start, n)``.
 
-        Returns ``(object, full text so far)``; in incremental mode ``text`` is the part of the
-        full text after ``text_prev``.
+        ``text_now`` is the decoded output so far; in incremental mode ``text`` is its part after
+        ``text_prev`` (what earlier chunks carried).
         """
         n, fin = snap
         ids = s.output_ids[:n]
@@ -446,17 +460,14 @@ class RolloutHTTPServer:
                 meta["output_top_logprobs"] = [
                     [[lp, t, None] for lp, t in (row or [])] for row in s.output_top_logprobs[start:n]
                 ]
-        out: dict[str, Any] = {"text": "", "output_ids": ids[start:], "meta_info": meta}
-        full = ""
+        if incremental:
+            text = text_now[len(text_prev):] if text_now.startswith(text_prev) else ""
+        else:
+            text = text_now
+        out: dict[str, Any] = {"output_ids": ids[start:], "meta_info": meta}
         if self._tokenizer is not None:
-            full = self._decode(s, ids, fin)
-            if incremental:
-                if not final and full.endswith("\ufffd"):
-                    full = full.rstrip("\ufffd")  # incomplete UTF-8 sequence: hold it back
-                out["text"] = full[len(text_prev):] if full.startswith(text_prev) else full
-            else:
-                out["text"] = full
-        return out, full
+            out = {"text": text, **out}
+        return out
 
     def _decode(self, s: EngineSample, ids: list[int], fin: dict | None) -> str:
         p = s.params
@@ -798,6 +809,33 @@ class RolloutHTTPServer:
         return app
 
 
+class _IncrementalDetokenizer:
+    """Decodes a growing token list in O(length) total work (vLLM/SGLang's offsets scheme).
+
+    Each call decodes only the tokens since the last emitted text plus one window of context,
+    and holds back an incomplete UTF-8 sequence (a trailing U+FFFD) until it completes.
+    """
+
+    def __init__(self, tokenizer: Any, params: SamplingParams):
+        self.tok = tokenizer
+        self.kw = {"skip_special_tokens": params.skip_special_tokens,
+                   "spaces_between_special_tokens": params.spaces_between_special_tokens}
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def feed(self, ids: list[int]) -> str:
+        """The text of ``ids`` (which extends the previous call's list) as far as it is final."""
+        if len(ids) <= self.read:
+            return self.text
+        before = self.tok.decode(ids[self.prefix : self.read], **self.kw)
+        after = self.tok.decode(ids[self.prefix :], **self.kw)
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(ids)
+        return self.text
+
+
 class _EngineCollector:
     """Exports SGLang's ``sglang:`` engine gauges and counters from the engine's statistics."""
 
@@ -883,6 +921,7 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     add("random-seed", type=int, default=0)
     add("served-model-name", default=None)
     add("stream-interval", type=int, default=1)
+    add("skip-tokenizer-init", action="store_true", help="input_ids only; responses carry no text (SGLang's flag)")
     add("log-level", default="info")
     a = ap.parse_args(argv)
     logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO))
@@ -891,7 +930,7 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         incremental_streaming_output=a.incremental_streaming_output, weight_version=a.weight_version,
         max_running_requests=a.max_running_requests, context_length=a.context_length,
         engine_threads=a.engine_threads, random_seed=a.random_seed, served_model_name=a.served_model_name,
-        stream_interval=a.stream_interval,
+        stream_interval=a.stream_interval, skip_tokenizer_init=a.skip_tokenizer_init,
     )
 
 

@@ -426,3 +426,33 @@ async def test_metrics(srv):
     gen = [s for s in fams["sglang:generation_tokens"].samples if s.name.endswith("_total")][0]
     assert gen.value >= 3 and gen.labels["model_name"]
     assert "sglang:prompt_tokens_total" in raw.decode()
+
+
+async def test_skip_tokenizer_init(model_dir, tmp_path):
+    s = await asyncio.to_thread(start_embedded_server, model_dir, "--skip-tokenizer-init", log_path=tmp_path / "skip.log")
+    try:
+        status, raw, _ = await post(s.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+        out = json.loads(raw)
+        assert status == 200 and "text" not in out and len(out["output_ids"]) == 3
+        chunks = await sse(s.url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+        assert all("text" not in c for c in chunks)
+        for body in ({"text": "hi"}, {"input_ids": [1], "sampling_params": {"stop": ["x"]}}):
+            status, raw, _ = await post(s.url, "/generate", body)
+            assert status == 400 and "tokenizer" in json.loads(raw)["error"]["message"]
+        info = json.loads((await get(s.url, "/get_server_info"))[1])
+        assert info["skip_tokenizer_init"] is True
+    finally:
+        s.stop()
+
+
+async def test_incremental_text_is_exact_for_long_outputs(srv, srv_inc):
+    """Incremental detokenization (windowed) gives the same text as decoding the whole output."""
+    body = {"input_ids": [1, 30, 31], "sampling_params": {"max_new_tokens": 200, "temperature": 1.0, "sampling_seed": 5,
+                                                           "ignore_eos": True}}
+    h = {"Authorization": f"Bearer {KEY}"}
+    inc = await sse(srv_inc.url, body, h)
+    cum = await sse(srv.url, body)
+    full = json.loads((await post(srv.url, "/generate", body))[1])
+    assert "".join(c["text"] for c in inc) == full["text"] == cum[-1]["text"]
+    for c in cum:  # every cumulative chunk's text is a prefix of the final text
+        assert full["text"].startswith(c["text"])
