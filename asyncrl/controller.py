@@ -526,8 +526,9 @@ class Controller:
         if not urls and not _ports_free(cfg.rollout.host, base_port, n):
             # another run holds the configured ports: move this run's servers to free ones
             base_port = _free_port_range(cfg.rollout.host, n)
-            print(f"asyncrl train: ports {cfg.rollout.base_port}..{cfg.rollout.base_port + n - 1} are busy; "
-                  f"rollout servers use {base_port}..{base_port + n - 1}", file=sys.stderr)
+            span = lambda p: f"{p}..{p + n - 1}" if n > 1 else str(p)  # noqa: E731
+            print(f"asyncrl train: port {span(cfg.rollout.base_port)} is busy; rollout servers use {span(base_port)}",
+                  file=sys.stderr)
             env["ASYNCRL_ROLLOUT__BASE_PORT"] = str(base_port)
         self.rollout_urls = []
         for i, cores in enumerate(assignment.rollout_cores):
@@ -571,10 +572,35 @@ class Controller:
                 return str(cands[-1]), int(ann.version)
         return self.cfg.model.path, 0
 
+    def _eval_model_dir(self, weights: str) -> str:
+        """A model directory for ``asyncrl eval``: the published weights plus the base model's
+        tokenizer and chat template (published versions hold weights and config only).
+
+        Symlinks in ``<run_dir>/eval/model``, rebuilt for every evaluation.
+        """
+        from asyncrl.models import resolve_model_path
+
+        wdir = Path(weights)
+        if not wdir.is_dir() or wdir.resolve() == resolve_model_path(self.cfg.model.path).resolve():
+            return weights
+        base = resolve_model_path(self.cfg.model.path)
+        target = self.run_dir / "eval" / "model"
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        for f in wdir.iterdir():
+            (target / f.name).symlink_to(f.resolve())
+        for f in base.iterdir():
+            weightish = f.suffix in (".safetensors", ".bin", ".pt", ".gguf") or f.name.endswith(".index.json")
+            if f.is_file() and not weightish and not (target / f.name).exists():
+                (target / f.name).symlink_to(f.resolve())
+        return str(target)
+
     async def _evaluate(self, buf: Any, sup: Any, assignment: Assignment) -> None:
         """Held-out evaluation of the newest weights with every role paused; logs ``eval/*``."""
         cfg = self.cfg
-        model, version = await self._latest_weights(buf)
+        weights, version = await self._latest_weights(buf)
+        model = self._eval_model_dir(weights) if version > 0 else weights
         self.progress.set_status("evaluating")
         self.progress.refresh()
         if sup is not None:
@@ -592,8 +618,8 @@ class Controller:
             stdout, stderr = await proc.communicate()
         finally:
             seconds = time.monotonic() - start
+            self.clock.add_pause(seconds)  # evaluation time is never training time
             if sup is not None:
-                self.clock.add_pause(seconds)
                 sup.resume()
                 self.scraper.reset()
             self.eval_seconds_total += seconds
@@ -608,7 +634,7 @@ class Controller:
         else:
             results = json.loads(stdout.decode())
             (out_dir / f"step-{self.trainer_step}.json").write_text(json.dumps(
-                {"step": self.trainer_step, "policy_version": version, "model": model, "results": results}, indent=1))
+                {"step": self.trainer_step, "policy_version": version, "model": weights, "results": results}, indent=1))
             for r in results:
                 if r["mode"] == "sampled":
                     metrics.update({"eval/accuracy_sampled": r["accuracy"], "eval/ci95_low": r["accuracy_ci_low"],

@@ -52,10 +52,13 @@ def _children_of(run_dir: Path) -> list[int]:
 
 
 def test_tiny_run_end_to_end_then_resume_and_sigterm(tmp_path, tiny_model_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ASYNCRL_CACHE_DIR": str(tmp_path / "cache")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true")  # no WANDB_MODE/API key: W&B runs offline
     train = [sys.executable, "-m", "asyncrl.cli", "train"]
     flags = ["--config", str(TINY), "--output_dir", str(tmp_path), "--model_path", str(tiny_model_dir),
-             "--rollout.base_port", str(free_port()), "--monitoring.progress", "false"]
+             "--rollout.base_port", str(free_port()), "--monitoring.progress", "false",
+             "--monitoring.eval_interval", "6", "--monitoring.eval_num_problems", "4",
+             "--monitoring.tensorboard", "true", "--monitoring.wandb", "true"]
     run_dir = tmp_path / "tiny"
 
     # ---- session 1: the whole tiny run
@@ -80,6 +83,18 @@ def test_tiny_run_end_to_end_then_resume_and_sigterm(tmp_path, tiny_model_dir):
     assert not _children_of(run_dir), "roles left running after the run"
     cursor_after_1 = _last(recs, "buffer/dataset_cursor", role="controller")
     assert cursor_after_1 >= 4
+    # held-out evaluation: the base model, then every 6 steps (the pause itself: test_controller_eval.py)
+    evals = [r for r in recs if "eval/eval_seconds" in r]
+    assert [r["step"] for r in evals] == [0, 6], evals
+    assert all(0.0 <= r["eval/accuracy_sampled"] <= 1.0 and r["eval/num_problems"] == 4 for r in evals)
+    assert [r["eval/policy_version"] for r in evals][0] == 0 and evals[-1]["eval/policy_version"] >= 6
+    assert state["eval_seconds"] > 0 and state["wall_seconds"] + state["eval_seconds"] <= session1_seconds + 1.0
+    # TensorBoard and W&B (offline) got the controller's and the trainer's series
+    assert list((run_dir / "tensorboard" / "controller").glob("events.out.tfevents.*"))
+    run_id = (run_dir / "wandb_id").read_text()
+    [wandb_file] = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    blob = wandb_file.read_bytes()
+    assert b"reward/mean" in blob and b"buffer/partial_ratio" in blob and b"eval/accuracy_sampled" in blob
 
     # ---- session 2: --resume with more steps, then SIGTERM once it has trained a few
     p2 = subprocess.Popen(train + ["--resume", str(run_dir), "--total_steps", "200", "--monitoring.progress", "false"],
