@@ -268,3 +268,143 @@ async def test_engine_rejecting_a_prompt_stops_the_worker_with_a_clear_error(red
         await w.client.close()
         _, samples = await buf.get_group("long")
         assert all(s.status == SampleStatus.PENDING and not s.response_ids for s in samples)  # given back untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# the `asyncrl rollout-server` process: kill -9 and SIGTERM
+
+
+def _write_config(path: Path, redis_url: str, run: str, model_dir: Path, **rollout) -> Path:
+    import yaml
+
+    r = dict(base_port=0, n_samples_per_prompt=2, rollout_batch_size=4, max_budget=800, max_response_len=800,
+             temperature=TEMPERATURE, max_inflight_requests=4, engine_threads=1)
+    r.update(rollout)
+    cfg = {"run": {"name": run, "output_dir": str(path.parent / "runs")}, "model": {"path": str(model_dir)},
+           "data": {"reward": REWARD}, "rollout": r,
+           "buffer": {"redis_url": redis_url, "lease_seconds": 2.0, "flush_tokens": 2}}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _start_cli(config: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH"), str(REPO)])))
+    return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "rollout-server", "--config", str(config)],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+
+async def _wait_log(proc: subprocess.Popen, log: Path, needle: str, timeout_seconds: float = 180.0) -> str:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if needle in text:
+            return text
+        assert proc.poll() is None, f"rollout-server exited with {proc.returncode}:\n{text[-3000:]}"
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{needle!r} not in the log after {timeout_seconds} s:\n{log.read_text()[-3000:]}")
+
+
+async def _settings_of(config: Path) -> BufferSettings:
+    from asyncrl.config import load_config
+
+    return BufferSettings.from_config(load_config(["--config", str(config)]))
+
+
+async def _running_with_tokens(buf: ReplayBuffer, sample_ids: list[str], min_tokens: int) -> dict | None:
+    snap = {}
+    for sid in sample_ids:
+        s = await buf.get_sample(sid)
+        if s.status != SampleStatus.RUNNING or len(s.response_ids) < min_tokens:
+            return None
+        snap[sid] = s
+    return snap
+
+
+@pytest.mark.slow
+async def test_kill9_rollout_server_mid_stream_samples_reclaimed_and_finished_elsewhere(redis_url, models,
+                                                                                      tokenizer, tmp_path):
+    config = _write_config(tmp_path / "rollout.yaml", redis_url, "kill9", models["dir0"])
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = _start_cli(config, log_a)
+    b = None
+    try:
+        await _wait_log(a, log_a, "requests in flight")
+        async with await ReplayBuffer.open(redis_url, "kill9", await _settings_of(config)) as buf:
+            await _feed(buf, [PromptGroup("g0", _prompt(tokenizer, "one"), {}, 2),
+                              PromptGroup("g1", _prompt(tokenizer, "two"), {}, 2)])
+            sids = ["g0/0", "g0/1", "g1/0", "g1/1"]
+            deadline = time.monotonic() + 60
+            while (snap := await _running_with_tokens(buf, sids, 4)) is None:
+                assert time.monotonic() < deadline, await buf.stats()
+                await asyncio.sleep(0.03)
+            a.kill()  # SIGKILL mid-stream: no drain, leases left to expire
+            a.wait()
+            snap = {sid: await buf.get_sample(sid) for sid in sids}  # every token flushed before the kill
+            assert all(s.status == SampleStatus.RUNNING and len(s.response_ids) < 800 for s in snap.values())
+
+            b = _start_cli(config, log_b)
+            deadline = time.monotonic() + 180
+            while (await buf.stats())["groups_by_state"].get("ready", 0) < 2:
+                assert b.poll() is None and time.monotonic() < deadline, log_b.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+            st = await buf.stats()
+            assert st["samples_by_state"] == {"scored": 4} and st["counters"]["completed_samples"] == 4
+            for sid, before in snap.items():
+                s = await buf.get_sample(sid)
+                T = len(s.response_ids)
+                assert s.response_ids[: len(before.response_ids)] == before.response_ids  # nothing lost
+                assert s.behaviour_logprobs[: len(before.response_ids)] == before.behaviour_logprobs
+                assert T <= 800 and len(s.behaviour_logprobs) == T and s.versions == [0] * T
+                assert s.num_resumes >= 1
+                ends = [0] + [seg.end for seg in s.segments]
+                assert [seg.start for seg in s.segments] == ends[:-1] and ends[-1] == T  # no overlap, no gap
+            b.send_signal(signal.SIGTERM)
+            assert b.wait(60) == 0
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+async def test_sigterm_parks_every_in_flight_sample_and_exits_0(redis_url, models, tokenizer, tmp_path):
+    config = _write_config(tmp_path / "rollout.yaml", redis_url, "sigterm", models["dir0"])
+    log = tmp_path / "server.log"
+    proc = _start_cli(config, log)
+    try:
+        await _wait_log(proc, log, "requests in flight")
+        async with await ReplayBuffer.open(redis_url, "sigterm", await _settings_of(config)) as buf:
+            await _feed(buf, [PromptGroup(f"g{i}", _prompt(tokenizer, f"prompt {i}"), {}, 2) for i in range(3)])
+            deadline = time.monotonic() + 60
+            all_ids = [f"g{g}/{i}" for g in range(3) for i in range(2)]
+            while True:  # mid-stream: 4 requests in flight, each with flushed tokens
+                samples = [await buf.get_sample(sid) for sid in all_ids]
+                running = [s for s in samples if s.status == SampleStatus.RUNNING]
+                if len(running) == 4 and all(len(s.response_ids) >= 2 for s in running):
+                    break
+                assert time.monotonic() < deadline, await buf.stats()
+                await asyncio.sleep(0.03)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+            text = log.read_text()
+            line = [ln for ln in text.splitlines() if "parked" in ln and "in-flight samples" in ln]
+            assert len(line) == 1, text[-3000:]
+            n = int(line[0].split("parked ")[1].split()[0])
+            ids = set(line[0].split("[")[1].split("]")[0].split(","))
+            st = await buf.stats()
+            assert n == 4 == len(ids), line[0]
+            assert "running" not in st["samples_by_state"] and st["queues"]["leased"] == 0
+            partial = set()
+            for g in range(3):
+                _, samples = await buf.get_group(f"g{g}")
+                partial |= {s.sample_id for s in samples if s.status == SampleStatus.PARTIAL}
+                for s in samples:
+                    if s.status == SampleStatus.PARTIAL:
+                        assert s.response_ids and s.segments[-1].finish_reason == "abort"
+            assert partial == ids  # parked partials == the in-flight requests at the signal
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
