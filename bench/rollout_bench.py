@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="runs per point (the best is kept)")
+    ap.add_argument("--cumulative", action="store_true", help="cumulative streaming (default: incremental, as asyncrl launches it)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
 
@@ -105,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(a.model)
     model, tok = load_causal_lm(path), load_tokenizer(path)
     prompts_all = make_prompts(tok, max(a.concurrency), a.prompt_tokens)
-    srv = start_embedded_server(path, "--max-running-requests", str(max(64, max(a.concurrency))), threads=a.threads)
+    flags = ["--max-running-requests", str(max(64, max(a.concurrency)))]
+    if not a.cumulative:
+        flags.append("--incremental-streaming-output")
+    srv = start_embedded_server(path, *flags, threads=a.threads)
     rows = []
     try:
         # warm both paths once
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         srv.stop()
     result = {"model": str(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": a.threads,
+              "streaming": "cumulative" if a.cumulative else "incremental",
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))

@@ -191,6 +191,8 @@ class Engine:
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.weight_version = str(weight_version)
         self.on_update = on_update
+        #: how long an idle engine waits after the first arrival to batch near-simultaneous requests
+        self.admission_wait_seconds = 0.005
         self.threads = threads
         self.num_layers = int(cfg.num_hidden_layers)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -316,6 +318,11 @@ class Engine:
                 busy = self._can_step() or self._can_admit()
                 try:
                     self._drain_inbox(block=not busy)
+                    if not busy and self._waiting and not any(r is not None for r in self._rows):
+                        # the engine was idle: give requests sent together a moment to arrive together,
+                        # so they share one prefill instead of the first one being prefilled alone
+                        time.sleep(self.admission_wait_seconds)
+                        self._drain_inbox(block=False)
                     self._apply_pending_updates()
                     updated: list[EngineSample] = []
                     if self._paused is None:
