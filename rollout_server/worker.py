@@ -102,6 +102,8 @@ class WorkerOptions:
         claim_poll_seconds: wait between claims when the buffer has no work.
         engine_wait_seconds: how long to wait for a lost engine before :class:`WorkerError`.
         drain_timeout_seconds: how long :meth:`RolloutWorker.drain` waits for in-flight items.
+        extra_sampling_params: merged into every request's ``sampling_params`` (e.g.
+            ``{"ignore_eos": true}`` in benchmarks); may not set the keys the worker owns.
     """
 
     worker_id: str
@@ -117,8 +119,13 @@ class WorkerOptions:
     claim_poll_seconds: float = 0.05
     engine_wait_seconds: float = 120.0
     drain_timeout_seconds: float = 60.0
+    extra_sampling_params: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        owned = {"temperature", "top_p", "top_k", "max_new_tokens"} & set(self.extra_sampling_params)
+        if owned:
+            raise ValueError(f"extra_sampling_params may not set {sorted(owned)}: the worker sets them "
+                             "(temperature from rollout.temperature, top_p=1, top_k=-1, max_new_tokens from the buffer)")
         if self.pause_mode not in ("abort", "in_place"):
             raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {self.pause_mode!r}")
         if self.transport not in ("disk", "http", "nccl"):
@@ -381,6 +388,7 @@ class RolloutWorker:
                                   "no_stop_trim": True}
         if self.opts.stop:
             params["stop"] = list(self.opts.stop)
+        params.update(self.opts.extra_sampling_params)
         return params
 
     def finish_reason(self, item: WorkItem, engine_finish: str | None, response_len: int) -> str:
@@ -405,6 +413,19 @@ class RolloutWorker:
     def _next_rid(self, item: WorkItem) -> str:
         self._rid_counter += 1
         return f"{self.opts.worker_id}-{item.sample_id}-{self._rid_counter}-{uuid.uuid4().hex[:6]}"
+
+    async def process(self, item: WorkItem) -> SampleStatus | None:
+        """Handle one claimed item outside the claim loop (generate one segment and/or score it).
+
+        Returns the sample's status after the segment (None when the item was given up).
+        Raises as :meth:`generate`.
+        """
+        a = _Active(item)
+        self._first_claim.setdefault(item.sample_id, _now())
+        if item.kind == WorkKind.SCORE:
+            await self._score(item, item.response_ids)
+            return SampleStatus.SCORED
+        return await self.generate(a)
 
     async def generate(self, a: _Active) -> SampleStatus | None:
         """One engine call (segment) for a GENERATE item; scores it if it completed.
