@@ -614,11 +614,10 @@ class Engine:
         row_items = [i for i, go in placements for _ in go]
         samples = [s for _, go in placements for s in go]
         logits = last[torch.tensor(row_items)].clone()
-        for s in samples:
-            if s.params.sampling_seed is not None and s.generator is None:
-                s.generator = torch.Generator().manual_seed(int(s.params.sampling_seed))
-            if len(s.output_ids) == 0 and len(placements) and s is not None:
-                s.cached_tokens = 0
+        for _, go in placements:
+            for j, s in enumerate(go):  # the j-th of n seeded samples uses seed + j (else all n would be equal)
+                if s.params.sampling_seed is not None and s.generator is None:
+                    s.generator = torch.Generator().manual_seed(int(s.params.sampling_seed) + j)
         for _, go in placements:
             for j, s in enumerate(go):
                 if j > 0 and not s.output_ids:

@@ -153,7 +153,9 @@ async def test_sampling_seed_is_reproducible(srv_a):
         x = await a.generate([1, 2, 3], body)
         y = await a.generate([1, 2, 3], body)
         z = await a.generate([1, 2, 3], {**body, "sampling_seed": 99})
+        group = await a.generate([1, 2, 3], {**body, "n": 2})
     assert x["output_ids"] == y["output_ids"] != z["output_ids"]
+    assert group[0]["output_ids"] == x["output_ids"] != group[1]["output_ids"]  # sample j uses seed + j
 
 
 async def test_stop_conditions(srv_a, models):
