@@ -1,0 +1,93 @@
+"""End to end: ``asyncrl train`` restarts a role that dies (real processes, SIGKILL) and the run finishes.
+
+The rollout server is killed mid-run; the controller reports the death with the role's last log
+lines and restarts it, its claimed work is reclaimed after the lease (3 s here), and the run
+reaches ``total_steps`` with every step trained once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.redis_server import free_port
+from asyncrl.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny.yaml"
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _pid_of(run_dir: Path, needle: str) -> int | None:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in text and needle in text:
+            return int(cmdline.parent.name)
+    return None
+
+
+def _trainer_step(run_dir: Path) -> int:
+    try:
+        steps = [r["step"] for r in read_metrics(run_dir) if r["role"] == "trainer"]
+    except Exception:  # noqa: BLE001 - files not there yet
+        return 0
+    return steps[-1] if steps else 0
+
+
+def _wait(pred, proc, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"asyncrl train exited while waiting for {what}: {proc.stderr.read()[-3000:]}"
+        if pred():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _start(tmp_path, tiny_model_dir, total_steps):
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(TINY), "--output_dir", str(tmp_path),
+           "--model_path", str(tiny_model_dir), "--rollout.base_port", str(free_port()),
+           "--monitoring.progress", "false", "--total_steps", str(total_steps), "--buffer.lease_seconds", "3"]
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, timeout=400):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return err
+
+
+def test_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "tiny"
+    proc = _start(tmp_path, tiny_model_dir, total_steps=7)
+    try:
+        _wait(lambda: _trainer_step(run_dir) >= 2, proc, 300, "step 2")
+        rollout = _pid_of(run_dir, "rollout-server")
+        assert rollout is not None
+        os.kill(rollout, signal.SIGKILL)
+    finally:
+        err = _finish(proc)
+    assert proc.returncode == 0, err[-4000:]
+    assert "role 'rollout-0' was killed by SIGKILL; restarted (restart 1). Last log lines:" in err
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 7
+    recs = read_metrics(run_dir)
+    assert max(r["supervisor/restarts"] for r in recs if "supervisor/restarts" in r) == 1
+    assert "(attempt 2)" in (run_dir / "logs" / "rollout-0.log").read_text()
+    assert [r["step"] for r in recs if r["role"] == "trainer"] == list(range(1, 8))
