@@ -1,8 +1,9 @@
-"""End to end: ``asyncrl train`` restarts a role that dies (real processes, SIGKILL) and the run finishes.
+"""End to end: ``asyncrl train`` restarts roles that die (real processes, SIGKILL) and the run finishes.
 
-The rollout server is killed mid-run; the controller reports the death with the role's last log
-lines and restarts it, its claimed work is reclaimed after the lease (3 s here), and the run
-reaches ``total_steps`` with every step trained once.
+A killed rollout server is reported with its last log lines and restarted; its claimed work is
+reclaimed after the lease (3 s here) and the run reaches ``total_steps`` with every step trained
+once. A killed trainer restarts from its last checkpoint (the buffer rewinds the clock: a new
+lineage) and the run finishes.
 """
 
 from __future__ import annotations
@@ -91,3 +92,28 @@ def test_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, tiny_
     assert max(r["supervisor/restarts"] for r in recs if "supervisor/restarts" in r) == 1
     assert "(attempt 2)" in (run_dir / "logs" / "rollout-0.log").read_text()
     assert [r["step"] for r in recs if r["role"] == "trainer"] == list(range(1, 8))
+
+
+def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "tiny"
+    proc = _start(tmp_path, tiny_model_dir, total_steps=8)
+    try:
+        _wait(lambda: _trainer_step(run_dir) >= 4, proc, 300, "step 4")
+        trainer = _pid_of(run_dir, " trainer ")
+        assert trainer is not None
+        os.kill(trainer, signal.SIGKILL)
+    finally:
+        err = _finish(proc)
+    assert proc.returncode == 0, err[-4000:]
+    assert "role 'trainer' was killed by SIGKILL; restarted (restart 1). Last log lines:" in err
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 8
+    recs = read_metrics(run_dir)
+    steps = [r["step"] for r in recs if r["role"] == "trainer"]
+    # checkpoint_interval 3: the restarted trainer continues after the checkpoint of step 3 (or 6)
+    rewinds = [(a, b) for a, b in zip(steps, steps[1:]) if b <= a]
+    assert len(rewinds) <= 1 and all((b - 1) % 3 == 0 for _, b in rewinds), steps
+    assert steps[-1] == 8 and sorted(set(steps)) == list(range(1, 9))
+    if rewinds:  # the buffer rewound the clock to the checkpoint: a new lineage
+        assert max(r.get("policy/lineage", 0) for r in recs) >= 1
+    assert "(attempt 2)" in (run_dir / "logs" / "trainer.log").read_text()
