@@ -1,4 +1,5 @@
-"""Real launches of ``asyncrl trainer``: 2 CPU ranks (torchrun, gloo) equal one process on the
+"""Real launches of ``asyncrl trainer``: 2 CPU ranks (torchrun, and the deepspeed launcher with
+``--module trainer``; gloo) equal one process on the
 union of their micro-batches, and ZeRO 0, 2 and 3 publish the same weights (to 1e-6) from the same
 start and data. Batches are replayed from a JSONL file (``ASYNCRL_TRAINER_BATCHES``)."""
 
@@ -47,6 +48,14 @@ def launch_setup(tmp_path_factory, tiny_model_dir):
     return root, env, repo
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _weights(root, name, version=2):
     return load_file(root / "runs" / name / "weights" / f"v{version:06d}" / "model.safetensors")
 
@@ -62,11 +71,15 @@ def test_two_ranks_equal_one_process_and_zero_stages_agree(launch_setup):
     _run(cli + ["--run.name", "one"], env, repo)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "asyncrl.cli",
           "trainer", "--config", str(root / "cfg.yaml"), "--run.name", "two"], env, repo)
+    deepspeed = shutil.which("deepspeed")
+    assert deepspeed, "the deepspeed launcher is installed with the deepspeed package"
+    _run([deepspeed, "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "trainer",
+          "--config", str(root / "cfg.yaml"), "--run.name", "dslauncher"], env, repo)
     _run(cli + ["--run.name", "zero2", "--trainer.zero_stage", "2"], env, repo)
     _run(cli + ["--run.name", "zero3", "--trainer.zero_stage", "3"], env, repo)
 
     one = _weights(root, "one")
-    for name in ("two", "zero2", "zero3"):
+    for name in ("two", "dslauncher", "zero2", "zero3"):
         other = _weights(root, name)
         assert other.keys() == one.keys()
         for k in one:
