@@ -187,19 +187,19 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     ap.add_argument("--inflight", type=int, default=16, help="requests in flight (both modes)")
     ap.add_argument("--rollout_batch_size", type=int, default=8, help="R, prompt groups per rollout batch")
     ap.add_argument("--n_samples", type=int, default=2, help="samples per prompt group")
     ap.add_argument("--partial_percent", type=float, default=0.7)
     ap.add_argument("--max_budget", type=int, default=64)
     ap.add_argument("--partial_staleness", type=int, default=4)
-    ap.add_argument("--max_response_len", type=int, default=256)
-    ap.add_argument("--min_len", type=int, default=16, help="Pareto scale x_m (shortest answers)")
+    ap.add_argument("--max_response_len", type=int, default=128)
+    ap.add_argument("--min_len", type=int, default=8, help="Pareto scale x_m (shortest answers)")
     ap.add_argument("--alpha", type=float, default=1.1, help="Pareto tail index (smaller: heavier tail)")
     ap.add_argument("--train_seconds", type=float, default=2.0, help="the simulated trainer takes a batch every this many seconds")
-    ap.add_argument("--warmup_seconds", type=float, default=10.0)
-    ap.add_argument("--duration_seconds", type=float, default=120.0)
+    ap.add_argument("--warmup_seconds", type=float, default=20.0)
+    ap.add_argument("--duration_seconds", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=["sync", "partial"])
     ap.add_argument("--json", type=Path, default=None)
@@ -235,20 +235,27 @@ def main(argv: list[str] | None = None) -> int:
     (weights / "v000000" / "config.json").write_text((Path(path) / "config.json").read_text())
 
     redis = RedisServer(tmp / "redis").start()
-    srv = start_embedded_server(path, "--incremental-streaming-output", "--max-running-requests", str(max(64, a.inflight)),
-                                threads=a.threads)
-    results = []
+    flags = ("--incremental-streaming-output", "--max-running-requests", str(max(64, a.inflight)))
+    # one engine per mode, identical (same model, flags, threads); the modes run at the same time
+    # so that the machine's background load hits both alike
+    servers = [start_embedded_server(path, *flags, threads=a.threads) for _ in a.modes]
+
+    async def all_modes() -> list[dict]:
+        return list(await asyncio.gather(*(run_mode(m, a, s.url, redis.url, tok, weights, prompts)
+                                           for m, s in zip(a.modes, servers))))
+
     try:
-        for mode in a.modes:
-            r = asyncio.run(run_mode(mode, a, srv.url, redis.url, tok, weights, prompts))
-            results.append(r)
+        results = asyncio.run(all_modes())
+        for r in results:
+            mode = r["mode"]
             print(f"{mode:8s} B={r['train_batch_groups']} M={r['max_budget']} eta={r['max_staleness']}: "
                   f"{r['batches']} batches, {r['samples']} samples, {r['tokens']} tokens -> "
                   f"{r['tokens_per_second']:.1f} tok/s to the trainer (engine {r['engine_tokens_per_second']:.1f} tok/s, "
                   f"mean staleness {r['mean_staleness']:.2f}, {r['weight_updates']} weight updates, "
                   f"dropped {r['dropped_by_reason']}, restarted {r['restarted_by_reason']})", flush=True)
     finally:
-        srv.stop()
+        for srv in servers:
+            srv.stop()
         redis.kill()
     by = {r["mode"]: r for r in results}
     out: dict[str, Any] = {"model": str(path), "threads": a.threads, "inflight": a.inflight,
