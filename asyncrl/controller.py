@@ -485,13 +485,11 @@ class Controller:
         if self.cfg.buffer.redis_url:
             self.redis_url = self.cfg.buffer.redis_url
             return
-        from asyncrl.redis_server import RedisServer
-
         port = None
         if self.redis is not None:
             port = self.redis.port  # restart on the same port and password (children keep their URL)
         password = self.redis.password if self.redis is not None else self.cfg.security.redis_password
-        self.redis = RedisServer(self.run_dir / "redis", port=port, password=password).start()
+        self.redis = _make_embedded_redis(self.run_dir / "redis", port, password).start()
         self.redis_url = self.redis.url
 
     def _child_env(self) -> dict[str, str]:
@@ -823,6 +821,25 @@ class Controller:
             f"`asyncrl train --resume {self.run_dir} --total_steps N`",
         ]
         print("\n".join(lines), file=sys.stderr)
+
+
+def _make_embedded_redis(data_dir: Path, port: int | None, password: str | None) -> Any:
+    """A :class:`~asyncrl.redis_server.RedisServer` that dies with the controller.
+
+    Its command line is wrapped in ``setpriv --pdeathsig TERM`` (util-linux) when available, so
+    a SIGKILLed controller never leaves a redis-server holding the run's AOF (``--resume``
+    would otherwise start a second server on the same files); Redis fsyncs its AOF on SIGTERM.
+    """
+    from asyncrl.redis_server import RedisServer
+
+    setpriv = shutil.which("setpriv")
+
+    class _EmbeddedRedis(RedisServer):
+        def command_line(self) -> list[str]:
+            inner = super().command_line()
+            return [setpriv, "--pdeathsig", "TERM", "--", *inner] if setpriv else inner
+
+    return _EmbeddedRedis(data_dir, port=port, password=password)
 
 
 def _ports_free(host: str, first: int, n: int) -> bool:

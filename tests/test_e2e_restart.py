@@ -3,7 +3,10 @@
 A killed rollout server is reported with its last log lines and restarted; its claimed work is
 reclaimed after the lease (3 s here) and the run reaches ``total_steps`` with every step trained
 once. A killed trainer restarts from its last checkpoint (the buffer rewinds the clock: a new
-lineage) and the run finishes.
+lineage) and the run finishes. A killed redis-server is restarted by the controller on its AOF
+(same port and password; roles that lose their connection are restarted), and a SIGKILLed
+controller takes every role and Redis with it; ``--resume`` then finishes the run from the
+stored dataset cursor.
 """
 
 from __future__ import annotations
@@ -117,3 +120,59 @@ def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_pa
     if rewinds:  # the buffer rewound the clock to the checkpoint: a new lineage
         assert max(r.get("policy/lineage", 0) for r in recs) >= 1
     assert "(attempt 2)" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def _children(pid: int) -> dict[int, str]:
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        if int(text.rsplit(")", 1)[1].split()[1]) == pid:
+            out[int(stat.parent.name)] = comm
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "tiny"
+    proc = _start(tmp_path, tiny_model_dir, total_steps=10)
+    try:
+        # after the first checkpoint (step 3): a trainer restarted before any checkpoint does not
+        # rewind the buffer yet (reported to the trainer's owner)
+        _wait(lambda: _trainer_step(run_dir) >= 4, proc, 300, "step 4")
+        [redis_pid] = [p for p, comm in _children(proc.pid).items() if comm == "redis-server"]
+        os.kill(redis_pid, signal.SIGKILL)  # the controller restarts it on its AOF, same port and password
+        _wait(lambda: _trainer_step(run_dir) >= 6, proc, 300, "step 6 after redis-server was killed")
+        children = _children(proc.pid)
+        assert "redis-server" in children.values()
+        os.kill(proc.pid, signal.SIGKILL)  # the controller itself
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(_gone(p) for p in children):
+            time.sleep(0.5)
+        assert all(_gone(p) for p in children), "roles or redis-server outlived a SIGKILLed controller"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cursor_before = max(r.get("buffer/dataset_cursor", 0) for r in read_metrics(run_dir))
+    resume = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run_dir),
+                             "--monitoring.progress", "false"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=400)
+    assert resume.returncode == 0, resume.stderr[-4000:]
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 10 and state["sessions"] == 2
+    steps = [r["step"] for r in read_metrics(run_dir) if r["role"] == "trainer"]
+    assert steps[-1] == 10 and sorted(set(steps)) == list(range(1, 11))
+    starts = [int(c) for c in
+              __import__("re").findall(r"from cursor (\d+)", (run_dir / "logs" / "feeder.log").read_text())]
+    assert starts[0] == 0 and starts[-1] >= cursor_before  # the cursor survived redis and controller kills
