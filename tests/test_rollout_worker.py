@@ -233,6 +233,56 @@ async def test_weight_update_mid_stream(redis_url, server_b, models, tokenizer, 
             await w.client.close()
 
 
+async def test_http_transport_rejects_a_bad_checksum_then_loads_the_next_version(redis_url, server_b, models,
+                                                                               tokenizer, tmp_path):
+    """weight_sync.transport=http: a version whose announced checksum does not match is not
+    loaded (counted, engine keeps its weights, generation goes on); the next good version is
+    downloaded, verified and loaded, and new tokens carry it."""
+    from trainer.publisher import WeightFileServer
+
+    weights = tmp_path / "weights"
+    _publish_weights(weights, 1, models["dir1"])
+    _, sha2 = _publish_weights(weights, 2, models["dir1"])
+    files = WeightFileServer(weights).start()
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_response_len=6, max_budget_tokens=6)
+    async with await ReplayBuffer.open(redis_url, "http", settings) as buf:
+        w = _worker(buf, server_b.url, tokenizer, "w-http", transport="http", weights_cache_dir=tmp_path / "cache")
+        stop = asyncio.Event()
+        task = asyncio.create_task(w.run(stop))
+        try:
+            deadline = time.monotonic() + 60
+            while w.version != 0:  # started: engine at version 0
+                assert not task.done() and time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            await buf.clock.publish(1, files.uri_for(1), "0" * 64)  # wrong checksum
+            while w.stats.weight_update_errors < 1:
+                assert not task.done() and time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert w.version == 0 and await w.client.weight_version() == "0"
+            assert not (tmp_path / "cache" / "v000001").exists()  # nothing half-installed
+
+            await buf.clock.publish(2, files.uri_for(2), sha2)
+            while w.version != 2:
+                assert not task.done() and time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert await w.client.weight_version() == "2" and (tmp_path / "cache" / "v000002" / "model.safetensors").is_file()
+            prompt = _prompt(tokenizer, "after the update")
+            await _feed(buf, [PromptGroup("g0", prompt, {}, 1)])
+            while (await buf.stats())["groups_by_state"].get("ready", 0) < 1:
+                assert not task.done() and time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await task
+            files.stop()
+            await w.client.update_weights_from_disk(str(models["dir0"]), weight_version="0")
+            await w.client.close()
+        s = await buf.get_sample("g0/0")
+        assert s.versions == [2] * len(s.response_ids)
+        ref = recompute_logprobs(models["lm1"], prompt, s.response_ids, TEMPERATURE)
+        assert max(abs(a - b) for a, b in zip(ref, s.behaviour_logprobs)) < 1e-4
+
+
 async def test_reward_error_marks_sample_failed_and_run_continues(redis_url, server_a, tokenizer):
     """One raising reward: that sample is FAILED with the error, its group trains with the other
     two. Every reward raising: the group is dropped (``reward_error``). Other groups go on."""
