@@ -33,7 +33,7 @@ def test_activation_checkpointing_kl_and_entropy(tmp_path, tiny_model_dir, tiny_
     loss_cfg = {"kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01}
     _, plain = _run(make_cfg(tmp_path / "a", tiny_model_dir, loss=loss_cfg), tiny_model, batches)
     trainer, ckpt = _run(make_cfg(tmp_path / "b", tiny_model_dir, loss=loss_cfg, activation_checkpointing=True), tiny_model, batches)
-    assert trainer.module.is_gradient_checkpointing
+    assert getattr(trainer.module, "is_activation_checkpointing", None) or trainer.module.is_gradient_checkpointing
     for a, b in zip(plain, ckpt):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
