@@ -283,6 +283,44 @@ async def test_http_transport_rejects_a_bad_checksum_then_loads_the_next_version
         assert max(abs(a - b) for a, b in zip(ref, s.behaviour_logprobs)) < 1e-4
 
 
+async def test_recovery_rewind_new_lineage_reloads_and_regenerates(redis_url, server_b, models, tokenizer, tmp_path):
+    """The trainer recovers to version 0 (new lineage) while a sample streams under version 1:
+    the worker loses the lease or gets VersionAhead, reloads the version-0 weights announced for
+    the new lineage, and the sample is regenerated under version 0 only."""
+    weights = tmp_path / "weights"
+    path0, sha0 = _publish_weights(weights, 0, models["dir0"])
+    path1, sha1 = _publish_weights(weights, 1, models["dir1"])
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_budget_tokens=600, max_response_len=600,
+                         flush_tokens=4, max_staleness=2)
+    async with await ReplayBuffer.open(redis_url, "rewind", settings) as buf:
+        prompt = _prompt(tokenizer, "rewind me")
+        await _feed(buf, [PromptGroup("g0", prompt, {}, 1)])
+        w = _worker(buf, server_b.url, tokenizer, "w-rewind", extra_sampling_params={"ignore_eos": True})
+        state = {"published": False, "recovered": False}
+
+        async def cond() -> bool:
+            s = await buf.get_sample("g0/0")
+            if not state["published"] and len(s.response_ids) >= 8:
+                await buf.clock.publish(1, str(path1), sha1)
+                state["published"] = True
+            elif state["published"] and not state["recovered"] and 1 in s.versions:
+                await buf.recover(0, 0, str(path0), sha0)
+                state["recovered"] = True
+            return state["recovered"] and s.status == SampleStatus.SCORED
+
+        try:
+            stats = await _run_until(w, cond, timeout_seconds=120)
+            assert (w.version, w.lineage) == (0, 1) and await w.client.weight_version() == "0"
+            assert stats.weight_updates == 2 and stats.lease_lost + stats.version_ahead >= 1
+            s = await buf.get_sample("g0/0")
+            assert len(s.response_ids) == 600 and s.versions == [0] * 600 and s.num_restarts >= 1
+            ref = recompute_logprobs(models["lm0"], prompt, s.response_ids, TEMPERATURE)
+            assert max(abs(a - b) for a, b in zip(ref, s.behaviour_logprobs)) < 1e-4
+        finally:
+            await w.client.update_weights_from_disk(str(models["dir0"]), weight_version="0")
+            await w.client.close()
+
+
 async def test_reward_error_marks_sample_failed_and_run_continues(redis_url, server_a, tokenizer):
     """One raising reward: that sample is FAILED with the error, its group trains with the other
     two. Every reward raising: the group is dropped (``reward_error``). Other groups go on."""
