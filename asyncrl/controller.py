@@ -16,7 +16,7 @@ The controller runs every role as its own process, exactly as a cluster would (A
    partial ratio, rollout tokens/s, version clock) and forwards every role's JSONL records to
    TensorBoard/W&B (:mod:`asyncrl.tracking`);
 6. runs the held-out evaluation every ``monitoring.eval_interval`` trainer steps (and once
-   before training and once at the end) on the newest published weights, with every role
+   before training, and at the end unless interrupted) on the newest published weights, with every role
    paused (SIGSTOP) so that evaluation uses all cores and its time is excluded from the
    training wall clock (reported separately as ``time/eval_seconds``);
 7. stops when the trainer finishes ``run.total_steps``, after ``run.max_wall_seconds`` of
@@ -734,6 +734,8 @@ class Controller:
             watcher = _BufferWatcher(buf)
             self.progress.start()
             eval_on = cfg.monitoring.eval_interval is not None
+            if self.resumed:
+                self.last_eval_step = self.trainer_step  # evaluated (or not due) when the last session ended
             if eval_on and not self.resumed:
                 await self._evaluate(None, None, assignment)  # the base model, before any training
             sup = Supervisor(self.run_dir / "logs")
@@ -759,9 +761,9 @@ class Controller:
                     except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll
                         print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
                     self._write_state("running")
-                if eval_on and not over and self.trainer_step > 0 and \
-                        self.trainer_step % cfg.monitoring.eval_interval == 0 and self.last_eval_step != self.trainer_step:
-                    await self._evaluate(buf, sup, assignment)
+                k = cfg.monitoring.eval_interval
+                if eval_on and not over and self.trainer_step // k > (self.last_eval_step or 0) // k:
+                    await self._evaluate(buf, sup, assignment)  # a multiple of k was reached (or passed)
                 if cfg.run.max_wall_seconds is not None and wall >= cfg.run.max_wall_seconds and not over:
                     self.stop_reason = f"run.max_wall_seconds={cfg.run.max_wall_seconds:g} reached"
                     over = True
@@ -780,7 +782,8 @@ class Controller:
                 print(f"asyncrl train: {self.failed}", file=sys.stderr)
             self._forward_children()
             self._log(await watcher.poll(self.clock.wall_seconds()))
-            if eval_on and self.last_eval_step != self.trainer_step and status != "failed":
+            # a final evaluation when the run ends on its own (not after Ctrl-C/SIGTERM: exit promptly)
+            if eval_on and self.last_eval_step != self.trainer_step and status != "failed" and not self.signals:
                 await self._evaluate(buf, None, assignment)
             self._write_state(status)
             self.progress.stop()

@@ -93,7 +93,9 @@ def test_tiny_run_end_to_end_then_resume_and_sigterm(tmp_path, tiny_model_dir):
     assert list((run_dir / "tensorboard" / "controller").glob("events.out.tfevents.*"))
     run_id = (run_dir / "wandb_id").read_text()
     [wandb_file] = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
-    blob = wandb_file.read_bytes()
+    deadline = time.monotonic() + 60  # wandb-core may still be flushing its file
+    while b"eval/accuracy_sampled" not in (blob := wandb_file.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert b"reward/mean" in blob and b"buffer/partial_ratio" in blob and b"eval/accuracy_sampled" in blob
 
     # ---- session 2: --resume with more steps, then SIGTERM once it has trained a few

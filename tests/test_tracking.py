@@ -161,7 +161,12 @@ def test_wandb_offline_without_network(tmp_path, monkeypatch):
         log.log(2, {"eval/accuracy_sampled": 0.375})
     run_id = (tmp_path / "wandb_id").read_text()
     [data] = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb"))
-    blob = open(data, "rb").read()
+    deadline = time.monotonic() + 60  # wandb-core may still be flushing its file after finish()
+    while True:
+        blob = open(data, "rb").read()
+        if (b"eval/accuracy_sampled" in blob and b"0.375" in blob) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert b"eval/accuracy_sampled" in blob and b"0.375" in blob
     # resume continues the same W&B run id
     with MetricsLogger(tmp_path, MonitoringConfig(wandb=True), role="controller"):
