@@ -496,3 +496,19 @@ async def test_sigterm_parks_every_in_flight_sample_and_exits_0(redis_url, model
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_rejects_bad_invocations_before_starting_anything(redis_url, tiny_model_dir, capsys):
+    from rollout_server.cli import main
+
+    assert main(["--model_path", str(tiny_model_dir)]) == 2
+    assert "buffer.redis_url is not set" in capsys.readouterr().err
+    assert main(["--model_path", str(tiny_model_dir), "--redis_url", redis_url, "--server_index", "x"]) == 2
+    assert "take integers" in capsys.readouterr().err
+    assert main(["--model_path", str(tiny_model_dir), "--redis_url", redis_url, "--max_response_len", "2000"]) == 2
+    assert "exceed the context of 1024 tokens" in capsys.readouterr().err
+    assert main(["--model_path", str(tiny_model_dir), "--redis_url", redis_url, "--server_index", "3",
+                 "--max_response_len", "64", "--rollout.server_urls", "[http://127.0.0.1:9]"]) == 2
+    assert "--server_index 3 is out of range" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "--server_index" in capsys.readouterr().out
