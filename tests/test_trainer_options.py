@@ -27,6 +27,7 @@ def _run(cfg, model, batches):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_kl_and_entropy(tmp_path, tiny_model_dir, tiny_model):
     vocab = tiny_model.config.vocab_size
     batches = [make_groups(2, vocab, seed=s) for s in range(2)]
