@@ -136,3 +136,39 @@ def _no_children_left(run_dir: str) -> bool:
         except OSError:
             continue
     return True
+
+
+def test_role_specs_wire_each_role(tmp_path):
+    import socket
+
+    from asyncrl.controller import Controller
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        cfg = load_config(["--config", str(TINY), "--output_dir", str(tmp_path), "--rollout.num_servers", "2",
+                           "--rollout.base_port", str(port), "--trainer.world_size", "2"])
+        ctl = Controller(cfg, resumed=False)
+        ctl.redis_url = "redis://:pw@127.0.0.1:1/0"
+        specs = {s.name: s for s in ctl.role_specs(assign_resources(cfg, available=[0, 1, 2, 3]))}
+    finally:
+        busy.close()
+    assert list(specs) == ["feeder", "rollout-0", "rollout-1", "trainer"]
+    cfg_path = str(tmp_path / "tiny" / "config.yaml")
+    assert specs["feeder"].argv[1:] == ["-m", "asyncrl.feeder", "--config", cfg_path]
+    assert specs["rollout-1"].argv[-5:] == ["rollout-server", "--config", cfg_path, "--server_index", "1"]
+    assert specs["rollout-0"].cores == [0] and specs["rollout-1"].cores == [1] and specs["trainer"].cores == [2, 3]
+    # the configured port was busy: both servers moved to a free range, announced through the environment
+    moved = int(specs["rollout-0"].env["ASYNCRL_ROLLOUT__BASE_PORT"])
+    assert moved != port and ctl.rollout_urls == [f"http://127.0.0.1:{moved}", f"http://127.0.0.1:{moved + 1}"]
+    assert specs["rollout-0"].env["ASYNCRL_ROLLOUT__ENGINE_THREADS"] == "1"
+    assert "-m torch.distributed.run --standalone --nproc_per_node=2 -m asyncrl.cli trainer" in " ".join(specs["trainer"].argv)
+    assert specs["trainer"].env["OMP_NUM_THREADS"] == "1"  # 2 cores shared by 2 ranks
+    for s in specs.values():
+        assert s.env["ASYNCRL_BUFFER__REDIS_URL"] == "redis://:pw@127.0.0.1:1/0"
+        assert s.env["ASYNCRL_TRACKING_SINKS"] == "jsonl" and s.restart and s.fatal_exit_codes == (2,)
+    assert [s.stop_order for s in specs.values()] == [0, 1, 1, 2]
+    ctl._prepare_run_dir()  # the resolved config on disk never holds the Redis password
+    assert "redis_url: null" in (tmp_path / "tiny" / "config.yaml").read_text()
