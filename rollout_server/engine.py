@@ -222,6 +222,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._live: dict[str, EngineSample] = {}  # rid -> sample (waiting or running)
+        self._finished_unpublished: list[EngineSample] = []
         # statistics (read by metrics; plain ints are updated atomically under the GIL)
         self.stats = {
             "prompt_tokens_total": 0,
@@ -372,6 +373,9 @@ class Engine:
                         fut.set_result(result)
 
     def _publish(self, samples: list[EngineSample]) -> None:
+        if self._finished_unpublished:
+            samples = list(samples) + self._finished_unpublished
+            self._finished_unpublished = []
         if not samples:
             return
         seen: set[int] = set()
@@ -502,18 +506,15 @@ class Engine:
         return []
 
     def _fail_all(self, message: str) -> None:
+        """End every live request (running, queued, or mid-admission) with a 500 and reset the batch."""
         updated = []
-        for row in self._rows:
-            if row is not None and not row.sample.finished:
-                self._finish(row.sample, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
-                updated.append(row.sample)
-        for item in self._waiting:
-            for s in item.samples:
+        for s in list(self._live.values()):
+            if not s.finished:
                 self._finish(s, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
                 updated.append(s)
+        self._live.clear()
         self._waiting.clear()
-        self._rows = []
-        self._length = 0
+        self._release_buffers()
         for _, _, fut in self._pending_updates:
             fut.set_exception(RuntimeError(message))
         self._pending_updates.clear()
@@ -523,6 +524,7 @@ class Engine:
         s.finish_reason = reason
         s.finished_time = time.time()
         self._live.pop(s.rid, None)
+        self._finished_unpublished.append(s)  # published by the next _publish, even if this step fails later
 
     # -- admission (prefill) --------------------------------------------------------------------
 

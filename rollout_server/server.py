@@ -419,6 +419,8 @@ class RolloutHTTPServer:
                     sent[id(s)] = n
                     if fin is not None:
                         done.add(id(s))
+                        if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
+                            out = {"error": {"message": fin.get("message", "engine error")}}
                     chunks.append(b"data: " + _dumps(out).encode() + b"\n\n")
                 if chunks:
                     await resp.write(b"".join(chunks))
@@ -942,7 +944,8 @@ def main(argv: list[str] | None = None) -> int:
     opts.model_path = str(resolve_model_path(opts.model_path))
     app, server = build_app(opts)
     print(f"asyncrl embedded engine serving {opts.model_path} on http://{opts.host}:{opts.port}", flush=True)
-    web.run_app(app, host=opts.host, port=opts.port, print=None, access_log=None, handle_signals=True)
+    web.run_app(app, host=opts.host, port=opts.port, print=None, access_log=None, handle_signals=True,
+                shutdown_timeout=5.0)
     return 0
 
 

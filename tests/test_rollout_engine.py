@@ -270,3 +270,25 @@ async def test_distributed_weight_update_over_gloo(srv_w, dirs, models):
         out = await c.generate(prompt, {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
     assert out["output_ids"] == greedy_reference(models[1], prompt, 10)[0]
     assert out["meta_info"]["weight_version"] == "7"
+
+
+async def test_engine_failure_fails_requests_not_the_server(srv_w, models):
+    """Weights full of NaN make sampling fail inside a decode step: the requests of that step
+    get an error (500 / an error chunk), the server keeps serving, and good weights fix it."""
+    import math
+
+    from rollout_server.client import EngineError
+
+    bad = {n: p.detach().clone().fill_(math.nan) for n, p in models[0].named_parameters() if n.endswith("norm.weight")}
+    async with srv_w.client() as c:
+        await c.update_weights_from_tensor(bad, weight_version="nan")
+        with pytest.raises(EngineError) as err:
+            await c.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 1.0})
+        assert err.value.status == 500 and "engine error" in err.value.message
+        with pytest.raises(EngineError, match="engine error"):
+            await c.generate_collect([1, 2, 3], {"max_new_tokens": 4, "temperature": 1.0})
+        assert await c.health()
+        good = {n: p.detach().clone() for n, p in models[0].named_parameters() if n in bad}
+        await c.update_weights_from_tensor(good, weight_version="0")
+        out = await c.generate([1, 2, 3], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert out["output_ids"] == greedy_reference(models[0], [1, 2, 3], 6)[0]
