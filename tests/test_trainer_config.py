@@ -89,3 +89,13 @@ def test_file_batch_source_errors(tmp_path):
     src = FileBatchSource(p)
     assert src.next_batch(1)[0]["group_id"] == "g" and src.next_batch(2) is None
     assert src.state_dict() == {"cursor": 1}
+
+
+def test_step_metrics_combine_minibatches():
+    from trainer.loop import _combine
+
+    out = _combine([{"loss": 1.0, "loss_tokens": 3.0, "importance_weight_max": 2.0, "grad_norm": 5.0, "lr": 0.1},
+                    {"loss": 3.0, "loss_tokens": 4.0, "importance_weight_max": 1.5, "grad_norm": 1.0, "lr": 0.2}])
+    assert out == {"loss": 2.0, "loss_tokens": 7.0, "importance_weight_max": 2.0, "grad_norm": 1.0, "lr": 0.2,
+                   "grad_norm_max": 5.0, "minibatches": 2.0}
+    assert _combine([]) == {}

@@ -197,6 +197,7 @@ def train_loop(
                 reason = "source_exhausted"
                 break
             step_metrics: dict[str, float] = {}
+            per_minibatch: list[dict[str, float]] = []
             with timer.phase("forward_backward"):
                 plan = trainer.begin_step(groups)
             for mb in plan.minibatches:
@@ -207,12 +208,8 @@ def train_loop(
                     break
                 with timer.phase("optim_step"):
                     om = trainer.optim_step(lr_at(trainer.optimizer_steps, cfg.trainer.optimizer, trainer.total_optimizer_steps))
-                for k, v in fb.items():
-                    if k in ("loss_tokens", "processed_tokens", "micro_batches"):
-                        step_metrics[k] = step_metrics.get(k, 0.0) + v
-                    else:
-                        step_metrics[k] = v
-                step_metrics.update(om)
+                per_minibatch.append({**fb, **om})
+            step_metrics = {**_combine(per_minibatch), **step_metrics}
             if trainer.rank == 0:
                 trainer.run_async(source.acknowledge(trainer.step))
             if trainer.step % cfg.weight_sync.interval == 0:
@@ -240,6 +237,32 @@ def train_loop(
         if jsonl is not None:
             jsonl.close()
     return LoopResult(done_here, reason, history)
+
+
+_SUMMED = ("loss_tokens", "processed_tokens", "micro_batches")
+_MAXED = ("importance_weight_max",)
+_LAST = ("lr", "optimizer_step", "step", "grad_norm")
+
+
+def _combine(per_minibatch: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its mini-batches: token counts summed, maxima maxed, the
+    optimizer's last values kept (``grad_norm_max`` added), everything else averaged."""
+    if not per_minibatch:
+        return {}
+    out: dict[str, float] = {}
+    for key in per_minibatch[0]:
+        values = [m[key] for m in per_minibatch if key in m]
+        if key in _SUMMED:
+            out[key] = float(sum(values))
+        elif key in _MAXED:
+            out[key] = float(max(values))
+        elif key in _LAST:
+            out[key] = float(values[-1])
+        else:
+            out[key] = float(sum(values) / len(values))
+    out["grad_norm_max"] = float(max(m["grad_norm"] for m in per_minibatch))
+    out["minibatches"] = float(len(per_minibatch))
+    return out
 
 
 def _checkpoint(trainer: Any, source: Any) -> None:
