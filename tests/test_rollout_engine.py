@@ -292,3 +292,29 @@ async def test_engine_failure_fails_requests_not_the_server(srv_w, models):
         await c.update_weights_from_tensor(good, weight_version="0")
         out = await c.generate([1, 2, 3], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert out["output_ids"] == greedy_reference(models[0], [1, 2, 3], 6)[0]
+
+
+async def test_prompt_and_top_logprobs(srv_a, models):
+    import torch
+
+    prompt = [1, 50, 51, 52, 53]
+    async with srv_a.client() as a:
+        out = await a.generate(prompt, {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+                               logprob_start_len=0, top_logprobs_num=4)
+        scored = await a.generate(prompt, {"max_new_tokens": 0}, logprob_start_len=2)
+    m = out["meta_info"]
+    inp = m["input_token_logprobs"]
+    assert [x[1] for x in inp] == prompt and inp[0][0] is None  # SGLang pads the first with None
+    with torch.no_grad():
+        lsm = torch.log_softmax(models[0](torch.tensor([prompt])).logits[0].float(), -1)
+    ref = [float(lsm[j - 1, prompt[j]]) for j in range(1, len(prompt))]
+    assert max(abs(x[0] - y) for x, y in zip(inp[1:], ref)) < 1e-4
+    tops = m["output_top_logprobs"]
+    assert len(tops) == 3 and all(len(row) == 4 for row in tops)
+    for row, (lp, tok, _) in zip(tops, m["output_token_logprobs"]):
+        assert row[0][1] == tok and abs(row[0][0] - lp) < 1e-6  # greedy: the top-1 is the sampled token
+        assert [x[0] for x in row] == sorted((x[0] for x in row), reverse=True)
+    # max_new_tokens 0: prefill only (scoring a prompt), logprobs from position 2 on
+    assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert [x[1] for x in scored["meta_info"]["input_token_logprobs"]] == prompt[2:]
+    assert abs(scored["meta_info"]["input_token_logprobs"][1][0] - ref[2]) < 1e-4
