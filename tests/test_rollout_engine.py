@@ -318,3 +318,23 @@ async def test_prompt_and_top_logprobs(srv_a, models):
     assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert [x[1] for x in scored["meta_info"]["input_token_logprobs"]] == prompt[2:]
     assert abs(scored["meta_info"]["input_token_logprobs"][1][0] - ref[2]) < 1e-4
+
+
+async def test_sampling_filters_and_penalties(srv_a, models):
+    prompt = [1, 60, 61, 62]
+    greedy = greedy_reference(models[0], prompt, 10)[0]
+    base = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+    async with srv_a.client() as a:
+        # truncation to one token makes sampling greedy; the reported logprob stays the full distribution's
+        for extra in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+            out = await a.generate(prompt, {**base, **extra})
+            assert out["output_ids"] == greedy, extra
+            assert all(x[0] < 0 for x in out["meta_info"]["output_token_logprobs"])
+        forced = await a.generate(prompt, {**base, "logit_bias": {"7": 100.0}})
+        assert forced["output_ids"] == [7] * 10
+        plain = await a.generate(prompt, {**base, "temperature": 0})
+        for extra in ({"repetition_penalty": 1.9}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+            pen = await a.generate(prompt, {**base, "temperature": 0, **extra})
+            assert pen["output_ids"] != plain["output_ids"], extra
+            counts = {t: pen["output_ids"].count(t) for t in pen["output_ids"]}
+            assert max(counts.values()) <= max(plain["output_ids"].count(t) for t in plain["output_ids"])
