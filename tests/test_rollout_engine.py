@@ -338,3 +338,24 @@ async def test_sampling_filters_and_penalties(srv_a, models):
             assert pen["output_ids"] != plain["output_ids"], extra
             counts = {t: pen["output_ids"].count(t) for t in pen["output_ids"]}
             assert max(counts.values()) <= max(plain["output_ids"].count(t) for t in plain["output_ids"])
+
+
+async def test_weight_update_without_pause_waits_or_aborts(srv_w, dirs):
+    """Not paused: an update waits for the running requests (SGLang's writer lock), which finish
+    entirely under the old version; with abort_all_requests they are aborted first."""
+    async with srv_w.client() as c:
+        running = asyncio.create_task(c.generate([1, 2, 3], {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}))
+        while (await c.loads())["num_running_reqs"] < 1:
+            await asyncio.sleep(0.01)
+        await c.update_weights_from_disk(str(dirs[1]), weight_version="1")
+        assert running.done()  # the update returned only after the running request finished
+        out = running.result()
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 300}]
+        running = asyncio.create_task(c.generate([1, 2, 3], LONG))
+        while (await c.loads())["num_running_reqs"] < 1:
+            await asyncio.sleep(0.01)
+        await c.update_weights_from_disk(str(dirs[0]), weight_version="2", abort_all_requests=True)
+        out = await asyncio.wait_for(running, 30)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["weight_version"] == "1"
+        assert await c.weight_version() == "2"
