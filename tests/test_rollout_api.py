@@ -456,3 +456,27 @@ async def test_incremental_text_is_exact_for_long_outputs(srv, srv_inc):
     assert "".join(c["text"] for c in inc) == full["text"] == cum[-1]["text"]
     for c in cum:  # every cumulative chunk's text is a prefix of the final text
         assert full["text"].startswith(c["text"])
+
+
+async def test_queue_beyond_max_running_requests_and_waiting_abort(model_dir, tmp_path):
+    s = await asyncio.to_thread(start_embedded_server, model_dir, "--max-running-requests", "1",
+                                log_path=tmp_path / "one.log")
+    try:
+        async with EngineClient(s.url) as c:
+            first = asyncio.create_task(c.generate([1, 2], LONG, rid="first"))
+            second = asyncio.create_task(c.generate([1, 3], LONG, rid="second"))
+            for _ in range(500):
+                load = await c.loads()
+                if load["num_running_reqs"] == 1 and load["num_waiting_reqs"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (1, 1)
+            await c.abort("second")
+            out2 = await asyncio.wait_for(second, 30)
+            assert out2["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+            assert out2["output_ids"] == []
+            await c.abort("first")
+            out1 = await asyncio.wait_for(first, 30)
+            assert out1["meta_info"]["finish_reason"]["message"] == "Aborted" and out1["output_ids"]
+    finally:
+        s.stop()
