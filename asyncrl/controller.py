@@ -405,6 +405,53 @@ class _BufferWatcher:
         return m
 
 
+def _role_kind(name: str) -> str:
+    """Closed-set role label of a supervised process (``rollout-3`` -> ``rollout``; the feeder is the controller's)."""
+    return "rollout" if name.startswith("rollout") else ("trainer" if name == "trainer" else "controller")
+
+
+class _PrometheusExport:
+    """The controller's ``/metrics`` (``monitoring.controller_metrics_port``): :class:`ControllerMetrics`
+    and the buffer state gauges of :class:`BufferMetrics` (only the poller sets those)."""
+
+    def __init__(self, cfg: Any) -> None:
+        from asyncrl.metrics import BufferMetrics, role_registry, start_metrics_server
+
+        self.registry, self.ctl = role_registry("controller")
+        self.buf = BufferMetrics(self.registry)
+        self.buf.max_staleness.set(cfg.buffer.max_staleness)
+        self.buf.group_capacity.set(cfg.rollout.rollout_batch_size)
+        self.num_train = max(1, cfg.data.num_train_prompts)
+        self.total_steps = cfg.run.total_steps
+        self.cursor: int | None = None
+        self.port = start_metrics_server(self.registry, cfg.monitoring.controller_metrics_port,
+                                         host=cfg.monitoring.metrics_host)
+
+    def update(self, stats: dict[str, Any], trainer_step: int, running: list[str]) -> None:
+        for state, n in stats.get("samples_by_state", {}).items():
+            self.buf.samples.labels(state).set(n)
+        for state, n in stats.get("groups_by_state", {}).items():
+            self.buf.groups.labels(state).set(n)
+        self.buf.policy_version.set(stats.get("version", 0))
+        self.buf.lineage.set(stats.get("lineage", 0))
+        cursor = int(stats.get("dataset_cursor", 0))
+        if self.cursor is not None and cursor > self.cursor:
+            self.ctl.prompts_fed.inc(cursor - self.cursor)
+        self.cursor = cursor
+        self.ctl.dataset_epoch.set(cursor // self.num_train)
+        self.ctl.run_progress.set(min(1.0, trainer_step / self.total_steps))
+        for kind in ("rollout", "trainer", "controller"):
+            self.ctl.role_processes.labels(kind).set(sum(_role_kind(n) == kind for n in running))
+
+    def restarted(self, name: str, reason: str) -> None:
+        self.ctl.restarted(_role_kind(name), "unhealthy" if reason == "unhealthy" else "exit")
+
+    def evaluated(self, accuracy: float | None, seconds: float) -> None:
+        if accuracy is not None:
+            self.ctl.eval_accuracy.set(accuracy)
+        self.ctl.eval_duration.observe(seconds)
+
+
 # ----------------------------------------------------------------------------------------------
 # the controller
 
@@ -431,6 +478,7 @@ class Controller:
         self.failed: str | None = None
         self.rollout_urls: list[str] = []
         self.scraper = _RolloutScraper([])
+        self.prom: _PrometheusExport | None = None
 
     # -- signals --------------------------------------------------------------------------------
 
@@ -456,6 +504,8 @@ class Controller:
 
     def _write_state(self, status: str) -> None:
         state = self._read_state()
+        if self.prom is not None:
+            state["controller_metrics_url"] = f"http://{self.cfg.monitoring.metrics_host}:{self.prom.port}/metrics"
         state.update(status=status, step=self.trainer_step, wall_seconds=round(self.clock.wall_seconds(), 3),
                      eval_seconds=round(self.eval_seconds_total + state.get("eval_seconds_before", 0.0), 3),
                      updated_unix=time.time())
@@ -643,6 +693,8 @@ class Controller:
                                     "eval/greedy_ci95_low": r["accuracy_ci_low"],
                                     "eval/greedy_ci95_high": r["accuracy_ci_high"]})
         self._log(metrics)
+        if self.prom is not None:
+            self.prom.evaluated(metrics.get("eval/accuracy_sampled"), seconds)
 
     # -- logging --------------------------------------------------------------------------------
 
@@ -671,6 +723,8 @@ class Controller:
         for ev in events:
             if ev.restarted:
                 self.role_restarts += 1
+                if self.prom is not None:
+                    self.prom.restarted(ev.name, ev.reason)
                 print(f"asyncrl train: {ev.describe()}", file=sys.stderr)
                 self._log({"supervisor/restarts": self.role_restarts})
                 continue
@@ -704,7 +758,11 @@ class Controller:
             assignment = assign_resources(cfg)
             self.logger = MetricsLogger(self.run_dir, cfg.monitoring, role="controller",
                                         config=cfg.model_dump(mode="json"))
-        except (ControllerError, TrackingError) as exc:
+            if cfg.monitoring.controller_metrics_port is not None:
+                self.prom = _PrometheusExport(cfg)
+                print(f"asyncrl train: controller metrics on "
+                      f"http://{cfg.monitoring.metrics_host}:{self.prom.port}/metrics", file=sys.stderr)
+        except (ControllerError, TrackingError, OSError) as exc:
             print(f"asyncrl train: {exc}", file=sys.stderr)
             return 2
         self.trainer_logger = MetricsLogger(self.run_dir, None, role="trainer")
@@ -758,6 +816,8 @@ class Controller:
                     next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
                     try:
                         self._log({**await watcher.poll(wall), **await self.scraper.poll()})
+                        if self.prom is not None:
+                            self.prom.update(watcher.last_stats, self.trainer_step, sup.running())
                     except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll
                         print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
                     self._write_state("running")

@@ -99,7 +99,8 @@ def test_tiny_run_end_to_end_then_resume_and_sigterm(tmp_path, tiny_model_dir):
     assert b"reward/mean" in blob and b"buffer/partial_ratio" in blob and b"eval/accuracy_sampled" in blob
 
     # ---- session 2: --resume with more steps, then SIGTERM once it has trained a few
-    p2 = subprocess.Popen(train + ["--resume", str(run_dir), "--total_steps", "200", "--monitoring.progress", "false"],
+    p2 = subprocess.Popen(train + ["--resume", str(run_dir), "--total_steps", "200", "--monitoring.progress", "false",
+                                   "--monitoring.controller_metrics_port", "0"],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -111,6 +112,15 @@ def test_tiny_run_end_to_end_then_resume_and_sigterm(tmp_path, tiny_model_dir):
             time.sleep(1.0)
         else:
             pytest.fail("the resumed run did not train 2 more steps in 300 s")
+        # the controller's Prometheus endpoint: buffer state, clock, role processes, progress
+        import urllib.request
+
+        url = json.loads((run_dir / "run_state.json").read_text())["controller_metrics_url"]
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        for needle in ('asyncrl_buffer_groups{state="', "asyncrl_buffer_policy_version ", 'asyncrl_buffer_max_staleness 2.0',
+                       'asyncrl_controller_role_processes{role="trainer"} 1.0',
+                       'asyncrl_controller_role_processes{role="rollout"} 1.0', "asyncrl_controller_run_progress_ratio"):
+            assert needle in body, needle
         p2.send_signal(signal.SIGTERM)
         out, err = p2.communicate(timeout=300)
     finally:
