@@ -96,7 +96,8 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
     from rollout_server.worker import WorkerOptions
 
     L = a.max_response_len
-    if mode == "partial":
+    pause_mode = "abort" if mode.endswith("_abort") else a.pause_mode
+    if mode.startswith("partial"):
         settings = BufferSettings.from_partial_percent(
             a.rollout_batch_size, a.partial_percent, n_samples_per_prompt=a.n_samples, max_budget_tokens=a.max_budget,
             max_response_len=L, max_staleness=a.partial_staleness, lease_seconds=30.0, flush_tokens=16)
@@ -123,12 +124,12 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
             await asyncio.sleep(0.05)
 
     Worker = make_worker_class()
-    opts = WorkerOptions(f"bench-{mode}", temperature=1.0, max_inflight_requests=a.inflight,
+    opts = WorkerOptions(f"bench-{mode}", temperature=1.0, max_inflight_requests=a.inflight, pause_mode=pause_mode,
                          extra_sampling_params={"ignore_eos": True}, version_poll_seconds=0.05)
     client = EngineClient(url)
     await client.update_weights_from_disk(str(weights_dir / "v000000"), weight_version="0")
     worker = Worker(buf, client, RewardScorer("format"), tokenizer, opts)
-    result = {"mode": mode, "train_batch_groups": settings.train_batch_groups, "max_budget": settings.max_budget_tokens,
+    result = {"mode": mode, "pause_mode": pause_mode, "train_batch_groups": settings.train_batch_groups, "max_budget": settings.max_budget_tokens,
               "max_staleness": settings.max_staleness, "batches": 0, "samples": 0, "tokens": 0,
               "staleness": [], "batch_times": []}
 
@@ -153,20 +154,29 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
             await buf.acknowledge(batch, step)
             await buf.commit(step)
             step += 1
-            link = weights_dir / f"v{step:06d}"
-            if not link.exists():
-                link.symlink_to(weights_dir / "v000000")
+            link = weights_dir / mode / f"v{step:06d}"
+            link.parent.mkdir(exist_ok=True)
+            link.symlink_to(weights_dir / "v000000")
             await buf.clock.publish(step, str(link), "")
+            if a.verbose:
+                print(f"[{time.monotonic() - t_start:6.1f}s] {mode}: step {step}, {result['batches']} batches, "
+                      f"{result['tokens']} tokens counted", flush=True)
 
     t0 = time.monotonic()
     tasks = [asyncio.create_task(feeder()), asyncio.create_task(trainer(t0))]
     wtask = asyncio.create_task(worker.run(stop))
-    await asyncio.sleep(a.warmup_seconds + a.duration_seconds)
+    done, _ = await asyncio.wait([*tasks, wtask], timeout=a.warmup_seconds + a.duration_seconds,
+                                 return_when=asyncio.FIRST_COMPLETED)
     stop.set()
     for t in tasks:
         t.cancel()
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()
     await asyncio.gather(*tasks, return_exceptions=True)
     stats = await wtask
+    if done:
+        raise RuntimeError(f"{mode}: a benchmark task ended early: {done}")
     await client.close()
     window = a.duration_seconds
     result.update({
@@ -201,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup_seconds", type=float, default=20.0)
     ap.add_argument("--duration_seconds", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", nargs="+", default=["sync", "partial"])
+    ap.add_argument("--modes", nargs="+", default=["sync", "partial", "partial_abort"],
+                    help="sync, partial (pause --pause_mode), partial_abort (pause mode abort)")
+    ap.add_argument("--pause_mode", default="in_place", choices=["abort", "in_place"],
+                    help="pause mode of the sync and partial modes (the weights do not change, so in_place is exact here)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--verbose", action="store_true", help="print every train step")
     a = ap.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
@@ -248,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         results = asyncio.run(all_modes())
         for r in results:
             mode = r["mode"]
-            print(f"{mode:8s} B={r['train_batch_groups']} M={r['max_budget']} eta={r['max_staleness']}: "
+            print(f"{mode:13s} pause={r['pause_mode']:8s} B={r['train_batch_groups']} M={r['max_budget']} eta={r['max_staleness']}: "
                   f"{r['batches']} batches, {r['samples']} samples, {r['tokens']} tokens -> "
                   f"{r['tokens_per_second']:.1f} tok/s to the trainer (engine {r['engine_tokens_per_second']:.1f} tok/s, "
                   f"mean staleness {r['mean_staleness']:.2f}, {r['weight_updates']} weight updates, "
@@ -264,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                            "pareto": {"x_m": a.min_len, "alpha": a.alpha}, "train_seconds": a.train_seconds,
                            "duration_seconds": a.duration_seconds, "cpu_count": os.cpu_count(),
                            "load_average": os.getloadavg(), "results": results}
-    if "sync" in by and "partial" in by and by["sync"]["tokens_per_second"] > 0:
-        out["speedup"] = by["partial"]["tokens_per_second"] / by["sync"]["tokens_per_second"]
-        print(f"speedup partial / sync: {out['speedup']:.2f}x", flush=True)
+    if "sync" in by and by["sync"]["tokens_per_second"] > 0:
+        for m in by:
+            if m != "sync":
+                out[f"speedup_{m}"] = by[m]["tokens_per_second"] / by["sync"]["tokens_per_second"]
+                print(f"speedup {m} / sync: {out[f'speedup_{m}']:.2f}x", flush=True)
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return 0
