@@ -29,12 +29,20 @@ requests end and are resumed with their KV recomputed), loads the announced dire
 ``model.norm.weight`` (unchanged values), so the load itself does not copy 540 MB per version
 (a GPU deployment would sync in well under a second).
 
-The figure: completed tokens per second delivered to the trainer, measured over
-``--duration_seconds`` of wall time after a warm-up, for both modes, and their ratio (target
->= 1.5).
+**Modes run at the same time**, each on its own identical engine process (same model, flags,
+``--threads`` torch threads, same number of requests in flight), so the shared machine's
+background load hits all of them alike. ``sync`` and ``partial`` pause the engine ``in_place``
+for a new version (the weights do not change here, so this is exact, and on a CPU it avoids
+re-prefilling every in-flight request per version); ``partial_abort`` is ``partial`` with the
+default pause mode ``abort`` (every in-flight request is ended and resumed with its KV cache
+recomputed), to show what that costs on a CPU.
+
+The figure: completed tokens per second delivered to the trainer (tokens of the samples in the
+batches it took), over ``--duration_seconds`` of wall time after a warm-up, for each mode, and
+the ratio to ``sync`` (target >= 1.5).
 
 Run: ``python bench/rollout_partial_bench.py [--model smollm2-135m-instruct]
-[--duration_seconds 120] [--inflight 16] [--json out.json]``.
+[--duration_seconds 600] [--inflight 16] [--verbose] [--json out.json]``.
 """
 
 from __future__ import annotations

@@ -241,6 +241,7 @@ class RolloutWorker:
         """
         stop = stop or asyncio.Event()
         await self.sync_weights(initial=True)
+        await self._warm_scorer()
         helpers = [asyncio.create_task(self._watch_versions(), name="version-watch"),
                    asyncio.create_task(self._subscribe(), name="version-subscribe"),
                    asyncio.create_task(self._heartbeat(), name="lease-heartbeat")]
@@ -557,6 +558,17 @@ class RolloutWorker:
                 self.metrics.scored(result.reward, "correct" if good else "incorrect")
         self.stats.scored += 1
         self._first_claim.pop(item.sample_id, None)
+
+    async def _warm_scorer(self) -> None:
+        """Score one dummy response in a worker thread before claiming, so the reward function's
+        one-off start-up (math-verify imports, its helper process off the main thread) is not
+        paid — or timed out — on the first real sample."""
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            res = await loop.run_in_executor(None, self.scorer.score, "warm-up", "Answer: 0", {"gold": "0"})
+            if not res.failed or "Timeout" not in (res.error or ""):
+                return
+        log.warning("the reward function timed out three times while warming up: %s", res.error)
 
     # ------------------------------------------------------------------ leases
     async def _heartbeat(self) -> None:
