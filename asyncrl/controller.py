@@ -661,9 +661,14 @@ class Controller:
                "--threads", str(assignment.eval_threads)]
         try:
             proc = await asyncio.create_subprocess_exec(
-                *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
                 env={**os.environ, "ASYNCRL_BUFFER__REDIS_URL": self.redis_url})
-            stdout, stderr = await proc.communicate()
+            done = asyncio.ensure_future(proc.communicate())
+            while not done.done():
+                await asyncio.wait([done], timeout=0.5)
+                if self.stopping and proc.returncode is None:
+                    proc.terminate()  # Ctrl-C/SIGTERM: do not make the user wait for the evaluation
+            stdout, stderr = done.result()
         finally:
             seconds = time.monotonic() - start
             self.clock.add_pause(seconds)  # evaluation time is never training time
@@ -675,7 +680,10 @@ class Controller:
         self.last_eval_step = self.trainer_step
         metrics: dict[str, float] = {"time/eval_seconds": self.eval_before + self.eval_seconds_total,
                                      "eval/eval_seconds": seconds, "eval/policy_version": version}
-        if proc.returncode != 0:
+        if proc.returncode != 0 and self.stopping:
+            print("asyncrl train: held-out evaluation interrupted", file=sys.stderr)
+            metrics["eval/failed"] = 1
+        elif proc.returncode != 0:
             print(f"asyncrl train: held-out evaluation failed (status {proc.returncode}); training goes on:\n"
                   + stderr.decode(errors="replace")[-2000:], file=sys.stderr)
             metrics["eval/failed"] = 1
@@ -796,6 +804,9 @@ class Controller:
                 self.last_eval_step = self.trainer_step  # evaluated (or not due) when the last session ended
             if eval_on and not self.resumed:
                 await self._evaluate(None, None, assignment)  # the base model, before any training
+            if self.stopping:
+                status = "stopped"
+                return 0
             sup = Supervisor(self.run_dir / "logs")
             for spec in self.role_specs(assignment):
                 sup.start(spec)
@@ -892,15 +903,21 @@ def _make_embedded_redis(data_dir: Path, port: int | None, password: str | None)
     Its command line is wrapped in ``setpriv --pdeathsig TERM`` (util-linux) when available, so
     a SIGKILLed controller never leaves a redis-server holding the run's AOF (``--resume``
     would otherwise start a second server on the same files); Redis fsyncs its AOF on SIGTERM.
+    ``setsid`` puts it in its own session, out of reach of the terminal's Ctrl-C, which only the
+    controller should receive (it stops Redis last).
     """
     from asyncrl.redis_server import RedisServer
 
-    setpriv = shutil.which("setpriv")
+    setpriv, setsid = shutil.which("setpriv"), shutil.which("setsid")
 
     class _EmbeddedRedis(RedisServer):
         def command_line(self) -> list[str]:
-            inner = super().command_line()
-            return [setpriv, "--pdeathsig", "TERM", "--", *inner] if setpriv else inner
+            cmd = super().command_line()
+            if setpriv:
+                cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+            if setsid:  # its own session: a terminal's Ctrl-C must not stop Redis before the roles drain
+                cmd = [setsid, *cmd]  # (the child is never a group leader, so setsid execs in place)
+            return cmd
 
     return _EmbeddedRedis(data_dir, port=port, password=password)
 
