@@ -170,10 +170,13 @@ class _VerifyHelper:
         self.proc.stdin.write(json.dumps({"region": region, "gold": gold}) + "\n")
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_seconds)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
+        if not ready:
             self.close()
             raise TimeoutError(f"math-verify did not answer within {timeout_seconds} s (helper process killed)")
+        line = self.proc.stdout.readline()
+        if not line:
+            self.close()
+            raise OSError(f"the math-verify helper process exited (code {self.proc.returncode})")
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"math-verify failed: {reply['error']}")

@@ -104,6 +104,21 @@ def test_hanging_verifier_off_the_main_thread_fails_the_sample(monkeypatch):
     assert not out["after"].failed and out["after"].reward == 1.0
 
 
+def test_dead_helper_process_is_replaced():
+    out = []
+
+    def work():
+        out.append(check_answer("Answer: 5", "5").correct)
+
+    for _ in range(2):
+        t = threading.Thread(target=work)
+        t.start()
+        t.join(60)
+        rewards._helper.proc.kill()  # the helper dies between checks
+        rewards._helper.proc.wait()
+    assert out == [True, True]
+
+
 def test_huge_powers_are_cheap_for_numeric_golds():
     import time
 
