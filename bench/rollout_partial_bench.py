@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pause mode of the sync and partial modes (the weights do not change, so in_place is exact here)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--verbose", action="store_true", help="print every train step")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one engine, modes one after the other (default: all at once, one engine each)")
     a = ap.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
@@ -260,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     flags = ("--incremental-streaming-output", "--max-running-requests", str(max(64, a.inflight)))
     # one engine per mode, identical (same model, flags, threads); the modes run at the same time
     # so that the machine's background load hits both alike
-    servers = [start_embedded_server(path, *flags, threads=a.threads) for _ in a.modes]
+    servers = [start_embedded_server(path, *flags, threads=a.threads) for _ in (a.modes[:1] if a.sequential else a.modes)]
 
     async def all_modes() -> list[dict]:
+        if a.sequential:  # one engine, the modes one after the other
+            return [await run_mode(m, a, servers[0].url, redis.url, tok, weights, prompts) for m in a.modes]
         return list(await asyncio.gather(*(run_mode(m, a, s.url, redis.url, tok, weights, prompts)
                                            for m, s in zip(a.modes, servers))))
 
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             srv.stop()
         redis.kill()
     by = {r["mode"]: r for r in results}
-    out: dict[str, Any] = {"model": str(path), "threads": a.threads, "inflight": a.inflight,
+    out: dict[str, Any] = {"model": str(path), "threads": a.threads, "sequential": a.sequential, "inflight": a.inflight,
                            "rollout_batch_size": a.rollout_batch_size, "n_samples": a.n_samples,
                            "max_response_len": a.max_response_len, "length_distribution": dist,
                            "pareto": {"x_m": a.min_len, "alpha": a.alpha}, "train_seconds": a.train_seconds,

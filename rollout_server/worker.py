@@ -45,8 +45,10 @@ What a worker does, concurrently (asyncio tasks):
   ``VersionAhead`` (the engine holds weights of an abandoned lineage) -> park the item without
   its tokens and reload the announced weights; engine unreachable -> park what was received,
   wait for ``/health``, reload weights (a restarted engine starts from the base model);
-  the engine rejecting a request (HTTP 4xx, e.g. a prompt longer than the context) -> the
-  worker stops with :class:`WorkerError` naming the sample: the run is misconfigured.
+  the engine failing on a request (HTTP 5xx or an error chunk) -> park what was received and
+  retry, up to ``MAX_ENGINE_FAILURES`` times per sample; the engine rejecting a request (HTTP
+  4xx, e.g. a prompt longer than the context) -> the worker stops with :class:`WorkerError`
+  naming the sample: the run is misconfigured.
 * **Drain** (:meth:`RolloutWorker.drain`, SIGTERM): stop claiming, abort this worker's
   requests on the engine, park every in-flight sample as PARTIAL with all its tokens.
 
@@ -199,6 +201,9 @@ class RolloutWorker:
         await worker.run(stop)        # returns after stop is set and the worker drained
     """
 
+    #: engine failures (HTTP 5xx / error chunks) tolerated per sample before the worker stops
+    MAX_ENGINE_FAILURES = 3
+
     def __init__(self, buffer: Any, client: EngineClient, scorer: Any, tokenizer: Any, options: WorkerOptions,
                  metrics: Any = None) -> None:
         self.buffer = buffer
@@ -224,6 +229,7 @@ class RolloutWorker:
         self._fatal: BaseException | None = None
         self._retry_after = 0.0
         self._rid_counter = 0
+        self._engine_failures: dict[str, int] = {}
 
     # ------------------------------------------------------------------ public API
     @property
@@ -479,6 +485,14 @@ class RolloutWorker:
             self.stats.engine_errors += 1
             await self._end(item, "abort", ids, lps, vers)
             self._record_request("error", _now() - t0, len(ids), 0)
+            if exc.status >= 500:  # the engine failed on this request: retry it (elsewhere, or here)
+                n = self._engine_failures[item.sample_id] = self._engine_failures.get(item.sample_id, 0) + 1
+                log.warning("engine error on sample %s (%d/%d): %s", item.sample_id, n, self.MAX_ENGINE_FAILURES,
+                            exc.message)
+                if n < self.MAX_ENGINE_FAILURES:
+                    return None
+                raise WorkerError(f"the engine at {self.client.url} failed {n} times on sample {item.sample_id} "
+                                  f"(last: {exc.message}); stopping instead of retrying it forever") from exc
             raise WorkerError(
                 f"the engine at {self.client.url} rejected the request for sample {item.sample_id} "
                 f"(prompt {len(item.prompt_ids)} + response {len(item.response_ids)} tokens, max_new_tokens "
