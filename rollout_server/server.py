@@ -776,10 +776,13 @@ class RolloutHTTPServer:
         }]})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client.exposition import choose_encoder
+        """Always the classic text format: OpenMetrics negotiation (what Prometheus 2.x asks
+        for) would make prometheus_client rename ``sglang:`` names to ``sglang_`` (see
+        :func:`asyncrl.metrics.exposition`), leaving the dashboard's engine panels empty."""
+        from asyncrl.metrics import exposition
 
-        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        return web.Response(body=encoder(self.registry), headers={"Content-Type": content_type})
+        body, content_type = exposition(self.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     # -- app ------------------------------------------------------------------------------------------
 
