@@ -424,10 +424,43 @@ class _PrometheusExport:
         self.num_train = max(1, cfg.data.num_train_prompts)
         self.total_steps = cfg.run.total_steps
         self.cursor: int | None = None
+        self.counted: dict[str, int] = {}
         self.port = start_metrics_server(self.registry, cfg.monitoring.controller_metrics_port,
                                          host=cfg.monitoring.metrics_host)
 
+    #: The buffer's reason codes (buffers/lua) -> the closed sets of ``asyncrl.metrics``.
+    BUFFER_REASONS = {"stale_resume": "stale", "stale_batch": "stale", "abandoned_version": "lineage",
+                      "reward_error": "reward_error"}
+
+    def _delta(self, key: str, total: int) -> int:
+        """Increase of the buffer counter ``key`` since the last poll (the buffer keeps totals in Redis)."""
+        before = self.counted.get(key)
+        self.counted[key] = total
+        return max(0, total - before) if before is not None else total
+
+    def _export_counters(self, stats: dict[str, Any]) -> None:
+        """Buffer events counted by the Lua scripts (drops, restarts, lease reclaims,
+        admissions) -> the :class:`BufferMetrics` counters, by their increase since the last poll."""
+        for key, total in stats.get("counters", {}).items():
+            kind, _, code = key.partition(":")
+            reason = self.BUFFER_REASONS.get(code)
+            n = self._delta(key, int(total))
+            if not n:
+                continue
+            if kind == "dropped_groups" and reason:
+                self.buf.dropped(reason, groups=n)
+            elif kind == "restarted_samples" and reason:
+                self.buf.restarted(reason, samples=n)
+            elif kind == "restarted_groups" and reason:
+                self.buf.restarted(reason, groups=n)
+            elif kind == "reclaimed_leases":
+                self.buf.reclaimed.inc(n)
+        admitted = self._delta("admitted_groups", int(stats.get("admitted_groups", 0)))
+        if admitted:
+            self.buf.groups_admitted.inc(admitted)
+
     def update(self, stats: dict[str, Any], trainer_step: int, running: list[str]) -> None:
+        self._export_counters(stats)
         for state, n in stats.get("samples_by_state", {}).items():
             self.buf.samples.labels(state).set(n)
         for state, n in stats.get("groups_by_state", {}).items():

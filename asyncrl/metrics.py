@@ -191,6 +191,15 @@ def _check_nonneg(value: float, what: str) -> float:
 # idle time
 
 
+def _zero(metric: "Counter", values: Iterable[str]) -> None:
+    """Create the series of every value of a closed label set at 0, so a counter that has not
+    moved yet (no drop, no correct answer, no weight update) still has a series: ``rate()``
+    then answers 0 instead of nothing and dashboard panels are not empty (Prometheus'
+    instrumentation guide: initialise known label values)."""
+    for v in values:
+        metric.labels(v)
+
+
 class IdleTracker(Collector):
     """Counts a role's idle seconds live, exported at scrape time.
 
@@ -350,6 +359,10 @@ class RolloutMetrics:
             registry=r,
         )
         self.idle = IdleTracker(r, "rollout", "rollout worker: no engine request in flight")
+        _zero(self.requests, FINISH_REASONS)
+        _zero(self.partial_parked, PARK_REASONS)
+        _zero(self.samples_scored, SCORE_OUTCOMES)
+        _zero(self.weight_updates, RESULTS)
 
     def request_finished(self, finish_reason: str, duration_seconds: float, generated_tokens: int, prompt_tokens: int = 0) -> None:
         """Record one finished engine request (segment).
@@ -476,6 +489,10 @@ class BufferMetrics:
         self.reclaimed = Counter(
             "asyncrl_buffer_work_reclaimed", "Claimed work of a silent worker reclaimed after the lease (XAUTOCLAIM).", registry=r
         )
+        for counter in (self.samples_dropped, self.groups_dropped):
+            _zero(counter, DROP_REASONS)
+        for counter in (self.samples_restarted, self.groups_restarted):
+            _zero(counter, RESTART_REASONS)
 
     def set_state(self, samples: dict[str, int] | None = None, groups: dict[str, int] | None = None) -> None:
         """Set the state gauges from the buffer's stats; states missing from a dict are set to 0.
@@ -569,6 +586,7 @@ class TrainerMetrics:
             "asyncrl_trainer_checkpoint_duration_seconds", "Time to write a checkpoint.", buckets=PHASE_DURATION_BUCKETS_SECONDS, registry=r
         )
         self.checkpoints = Counter("asyncrl_trainer_checkpoints", "Checkpoints written, by result.", ["result"], registry=r)
+        _zero(self.checkpoints, RESULTS)
         self.loss = Gauge("asyncrl_trainer_loss", "Policy loss of the last step (mean over its mini-batches).", registry=r)
         self.reward_mean = Gauge("asyncrl_trainer_reward_mean", "Mean reward of the last train batch.", registry=r)
         self.accuracy = Gauge(

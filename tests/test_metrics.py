@@ -9,6 +9,7 @@ real HTTP (aiohttp and prometheus_client's threaded server).
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -187,7 +188,9 @@ def test_labels_are_closed_sets():
         m.sample_completed("abort", 1.0, 3)
     with pytest.raises(ValueError, match="generated_tokens must be >= 0"):
         m.request_finished("stop", 1.0, -5)
-    assert "asyncrl_rollout_requests_total{" not in M.exposition(reg)[0].decode()  # nothing half-applied
+    text = M.exposition(reg)[0].decode()  # nothing half-applied: the pre-created series stay at 0
+    assert re.findall(r"^asyncrl_rollout_requests_total\{[^}]*\} (\S+)$", text, re.M) == ["0.0"] * len(M.FINISH_REASONS)
+    assert re.search(r"^asyncrl_rollout_generated_tokens_total 0\.0$", text, re.M)
     assert "asyncrl_rollout_duration_seconds_bucket{" not in M.exposition(reg)[0].decode()
 
     breg, b = M.role_registry("buffer")

@@ -31,6 +31,10 @@ class BufferBatchSource:
     (then returns None); ``acknowledge(step)`` acknowledges that batch; ``commit``,
     ``state_dict`` (the dataset cursor), ``announce`` (the version clock's compare-and-set
     ``publish``) and ``recover`` forward to the buffer.
+
+    ``buffer_metrics`` (an :class:`asyncrl.metrics.BufferMetrics` on rank 0's registry, set by
+    ``main``) receives the batch former's events: the staleness (batch version − oldest token
+    version) of every sample handed to the trainer, the groups trained, and the version clock.
     """
 
     def __init__(self, buf: Any, stop: threading.Event | None = None, poll_seconds: float = 0.05):
@@ -38,6 +42,7 @@ class BufferBatchSource:
         self.stop = stop or threading.Event()
         self.poll_seconds = poll_seconds
         self._batch_id: str | None = None
+        self.buffer_metrics: Any = None
 
     @classmethod
     async def open(cls, cfg: Any, stop: threading.Event | None = None) -> "BufferBatchSource":
@@ -57,10 +62,21 @@ class BufferBatchSource:
         while not self.stop.is_set():
             batch = await self.buf.next_batch(step)
             if batch is not None:
+                if self.buffer_metrics is not None and not batch.redelivered:
+                    self._observe(batch)
                 self._batch_id = batch.batch_id
                 return batch
             await asyncio.sleep(self.poll_seconds)
         return None
+
+    def _observe(self, batch: Any) -> None:
+        m = self.buffer_metrics
+        m.set_clock(batch.version, batch.lineage)
+        for g in batch.groups:
+            for sample in g.samples:
+                oldest = sample.oldest_version
+                m.sample_staleness.observe(max(0, batch.version - (g.oldest_version if oldest is None else oldest)))
+        m.groups_trained.inc(len(batch.groups))
 
     async def acknowledge(self, step: int) -> None:
         if self._batch_id is not None:
@@ -132,12 +148,15 @@ def main(argv: list[str]) -> int:
         if trainer.rank == 0 and cfg.monitoring.trainer_metrics_port is not None:
             from prometheus_client import CollectorRegistry
 
-            from asyncrl.metrics import TrainerMetrics, build_info, start_metrics_server
+            from asyncrl.metrics import BufferMetrics, TrainerMetrics, build_info, start_metrics_server
 
             reg = CollectorRegistry()
             build_info(reg, "trainer")
             metrics = TrainerMetrics(reg)
-            start_metrics_server(reg, cfg.monitoring.trainer_metrics_port)
+            if isinstance(source, BufferBatchSource):
+                source.buffer_metrics = BufferMetrics(reg)
+                source.buffer_metrics.set_bounds(cfg.buffer.max_staleness, cfg.rollout.rollout_batch_size)
+            start_metrics_server(reg, cfg.monitoring.trainer_metrics_port, host=cfg.monitoring.metrics_host)
         result = train_loop(trainer, source, stop=stop, metrics=metrics,
                             on_step=lambda r: print(_line(r), flush=True) if trainer.rank == 0 else None)
         if trainer.rank == 0:

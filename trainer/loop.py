@@ -218,7 +218,7 @@ def train_loop(
                 step_metrics.update({k: v for k, v in pub.items() if isinstance(v, float)})
             if trainer.step % cfg.trainer.checkpoint_interval == 0 or stop.is_set() or trainer.step >= cfg.run.total_steps:
                 with timer.phase("checkpoint"):
-                    _checkpoint(trainer, source)
+                    _checkpoint(trainer, source, metrics)
             done_here += 1
             if trainer.rank == 0:
                 record = {"step": float(trainer.step), **plan.metrics, **step_metrics,
@@ -232,7 +232,7 @@ def train_loop(
                 if on_step is not None:
                     on_step(record)
         if reason == "stopped":
-            _checkpoint(trainer, source)
+            _checkpoint(trainer, source, metrics)
     finally:
         if jsonl is not None:
             jsonl.close()
@@ -265,11 +265,23 @@ def _combine(per_minibatch: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _checkpoint(trainer: Any, source: Any) -> None:
+def _checkpoint(trainer: Any, source: Any, metrics: Any = None) -> None:
+    """Write a checkpoint (with the source's state); its write time and result go to
+    ``asyncrl_trainer_checkpoint_duration_seconds`` / ``asyncrl_trainer_checkpoints_total``
+    when ``metrics`` (rank 0's TrainerMetrics) is given. Re-raises a failed write."""
     state = None
     if trainer.rank == 0 and source is not None and hasattr(source, "state_dict"):
         state = trainer.run_async(source.state_dict())
-    trainer.save_checkpoint(state)
+    start = time.perf_counter()
+    try:
+        trainer.save_checkpoint(state)
+    except BaseException:
+        if metrics is not None:
+            metrics.checkpoints.labels("error").inc()
+        raise
+    if metrics is not None:
+        metrics.checkpoint_duration.observe(time.perf_counter() - start)
+        metrics.checkpoints.labels("ok").inc()
     if trainer.rank == 0 and source is not None and hasattr(source, "commit"):
         trainer.run_async(source.commit(trainer.step))
 
