@@ -4,8 +4,9 @@ Works as a single process, under ``torchrun --nproc-per-node N -m asyncrl.cli tr
 (or ``torchrun $(which asyncrl) trainer ...``) and under the ``deepspeed`` launcher: every rank
 builds the engine; rank 0 talks to the buffer and broadcasts each batch. On start the newest
 checkpoint in ``<run_dir>/checkpoints`` is restored and the buffer is rewound to it
-(``recover``: ARCHITECTURE §6). SIGTERM/SIGINT: the current step finishes, a checkpoint is
-written, exit 0.
+(``recover``: ARCHITECTURE §6); with no checkpoint the buffer is rewound to step 0, version 0
+(a trainer killed before its first checkpoint starts over, acknowledged steps are handed out
+again). SIGTERM/SIGINT: the current step finishes, a checkpoint is written, exit 0.
 
 Batches come from the Redis buffer at ``buffer.redis_url``; for offline runs and tests the
 environment variable ``ASYNCRL_TRAINER_BATCHES=file.jsonl`` replays recorded batches instead
@@ -138,12 +139,16 @@ def main(argv: list[str]) -> int:
                 return 2
             holder["source"] = source
         extra = trainer.load_checkpoint()
-        if extra is not None and trainer.rank == 0:
-            if hasattr(source, "load_state_dict"):
+        if trainer.rank == 0:
+            if extra is not None and hasattr(source, "load_state_dict"):
                 source.load_state_dict(extra)
             if hasattr(source, "recover"):
+                # Always, also without a checkpoint: a trainer that died before its first
+                # checkpoint may have acknowledged steps and moved the clock; it restarts from
+                # step 0 at version 0 (a new lineage when the clock had moved). On a fresh
+                # buffer this changes nothing.
                 result = trainer.run_async(source.recover(trainer.step, trainer.published_version)) or {}
-                trainer.lineage = int(result.get("lineage", trainer.lineage + 1))
+                trainer.lineage = int(result.get("lineage", trainer.lineage))
         metrics = None
         if trainer.rank == 0 and cfg.monitoring.trainer_metrics_port is not None:
             from prometheus_client import CollectorRegistry

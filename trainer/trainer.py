@@ -617,6 +617,10 @@ class Trainer:
     def load_checkpoint(self, tag: str | None = None) -> dict[str, Any] | None:
         """Restore the newest checkpoint (or ``tag``); returns its ``extra_state``, or None if none exists.
 
+        Without a checkpoint the trainer stays at step 0 (the initial model) and version
+        directories newer than 0 in the weights directory are deleted (a previous trainer of
+        this run died before its first checkpoint; the caller rewinds the buffer to step 0).
+
         Collective. The LR schedule needs no state of its own: it is a function of the restored
         :attr:`optimizer_steps`.
 
@@ -627,6 +631,9 @@ class Trainer:
         latest = self.checkpoint_dir / "latest"
         if tag is None:
             if not latest.is_file():
+                # Starting from the initial model (version 0): versions a trainer killed before
+                # its first checkpoint published belong to an abandoned lineage.
+                self._discard_versions_after(0)
                 return None
             tag = latest.read_text().strip()
         if not (self.checkpoint_dir / tag).is_dir():
@@ -654,17 +661,21 @@ class Trainer:
             random.setstate(rng["python"])
         self._plan = None
         self._pending_last = False
+        # Versions published after this checkpoint belong to the abandoned lineage; they are
+        # published again (with different weights) as training continues.
+        self._discard_versions_after(self.published_version)
+        self._barrier()
+        return json.loads(state["extra_state"])
+
+    def _discard_versions_after(self, version: int) -> None:
+        """Delete published version directories newer than ``version`` (rank 0) and forget them."""
         if self.rank == 0:
-            # Versions published after this checkpoint belong to the abandoned lineage; they are
-            # published again (with different weights) as training continues.
             from trainer.publisher import list_versions, version_dir_name
 
             for v in list_versions(self.weights_dir):
-                if v > self.published_version:
+                if v > version:
                     shutil.rmtree(self.weights_dir / version_dir_name(v), ignore_errors=True)
-        self.published_versions = [v for v in self.published_versions if v <= self.published_version]
-        self._barrier()
-        return json.loads(state["extra_state"])
+        self.published_versions = [v for v in self.published_versions if v <= version]
 
     def close(self) -> None:
         """Stop the weight file server and the private event loop."""
