@@ -147,8 +147,8 @@ def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tin
     run_dir = tmp_path / "tiny"
     proc = _start(tmp_path, tiny_model_dir, total_steps=10)
     try:
-        # after the first checkpoint (step 3): a trainer restarted before any checkpoint does not
-        # rewind the buffer yet (reported to the trainer's owner)
+        # after the first checkpoint (step 3); a trainer killed before its first checkpoint is
+        # covered by tests/test_trainer_restart.py
         _wait(lambda: _trainer_step(run_dir) >= 4, proc, 300, "step 4")
         [redis_pid] = [p for p, comm in _children(proc.pid).items() if comm == "redis-server"]
         os.kill(redis_pid, signal.SIGKILL)  # the controller restarts it on its AOF, same port and password

@@ -38,7 +38,6 @@ import pytest
 
 from asyncrl.config import dump_config, load_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 REPO = Path(__file__).resolve().parent.parent
 TOTAL = 6
@@ -176,6 +175,33 @@ def _freeze_past(run: Run, proc: subprocess.Popen, min_version: int, checkpointe
         assert min_version < TOTAL, "never caught the trainer between two checkpoints"
 
 
+def test_no_checkpoint_means_version_0_and_abandoned_versions_are_deleted(tmp_path, tiny_model_dir):
+    """A trainer of a run whose weights directory holds versions but no checkpoint starts at step 0
+    and deletes them (they are published again, with other weights, as training continues)."""
+    from safetensors.torch import load_file
+
+    from trainer.publisher import list_versions, write_weights
+    from trainer.trainer import Trainer
+
+    cfg = load_config([], environ={}, overrides={"model": {"path": str(tiny_model_dir)},
+                                                 "run": {"output_dir": str(tmp_path), "name": "nockpt"}})
+    weights = tmp_path / "nockpt" / "weights"
+    state = load_file(str(tiny_model_dir / "model.safetensors"))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    for v in (1, 2):
+        write_weights(weights, v, state, config)
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.load_checkpoint() is None
+        assert trainer.step == 0 and trainer.published_version == 0 and list_versions(weights) == []
+        trainer.step = 1
+        assert trainer.publish_weights()["version"] == 1.0  # would raise PublishError had v1 been kept
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("case", ["before_first_checkpoint", "after_checkpoint"])
 def test_trainer_killed_and_restarted_continues_and_the_books_balance(case, tmp_path, tiny_model_dir, redis_url):
     checkpointed = case == "after_checkpoint"
