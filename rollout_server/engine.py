@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from rollout_server.sampling import RequestError, SamplingParams, sample_tokens
+from rollout_server.sampling import NonFiniteLogits, RequestError, SamplingParams, sample_tokens
 
 __all__ = ["Engine", "EngineSample", "PromptGroup", "abort_reason", "RequestError"]
 
@@ -231,6 +231,7 @@ class Engine:
             "num_aborted_requests_total": 0,
             "num_retractions_total": 0,
             "decode_steps_total": 0,
+            "nonfinite_logits_total": 0,
         }
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.error: BaseException | None = None
@@ -334,7 +335,14 @@ class Engine:
                 except Exception as exc:  # a broken step fails its requests, never the server
                     log.exception("engine step failed")
                     self.error = exc
-                    self._fail_all(f"engine error: {exc}")
+                    try:
+                        self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+                    except Exception:  # the thread must survive, or every later request would hang
+                        log.exception("failing the live requests after an engine error failed")
+                        self._live.clear()
+                        self._waiting.clear()
+                        self._pending_updates.clear()
+                        self._release_buffers()
             self._fail_all("server shutting down")
 
     def _can_step(self) -> bool:
@@ -418,9 +426,9 @@ class Engine:
 
     def _cmd_update_weights(self, state: dict, version: str | None, abort_all: bool, fut: Future):
         """Load ``state`` now if idle or paused, else once the running batch drains (writer lock)."""
+        state = self._validate_state(state)  # before anything else: a rejected update changes nothing
         if abort_all:
             self._publish(self._abort("", True))
-        self._validate_state(state)
         self._pending_updates.append((state, version, fut))
         self._apply_pending_updates()
         return _DEFERRED
@@ -435,9 +443,9 @@ class Engine:
             state, version, fut = self._pending_updates.pop(0)
             try:
                 params = self._named_tensors()
-                with torch.no_grad():
+                with torch.no_grad():  # validated and converted beforehand: copies cannot fail half-way
                     for name, tensor in state.items():
-                        params[name].copy_(tensor.to(params[name].dtype))
+                        params[name].copy_(tensor)
                 if version is not None:
                     self.weight_version = str(version)
                 paused = self.load()
@@ -449,20 +457,55 @@ class Engine:
         """Every loadable tensor by name, tied aliases included (``lm_head.weight`` of tied embeddings)."""
         return dict(self.model.state_dict(keep_vars=True))
 
-    def _validate_state(self, state: dict) -> None:
-        """Every tensor must name a parameter of the model with the same shape (nothing half-applied).
+    def _validate_state(self, state: dict) -> dict:
+        """Check a (possibly partial) weight update and convert it to the model's dtype.
+
+        A partial update (a subset of the parameters, as slime's bucketed updates and SGLang's
+        ``/update_weights_from_tensor`` send) changes only the named tensors. Tied aliases
+        (``lm_head.weight`` of tied embeddings) name the same tensor; giving both with different
+        values is refused.
+
+        Returns:
+            ``{name: tensor}`` in the model's dtype, ready to copy (nothing is applied here).
 
         Raises:
-            RequestError: unknown names, shape mismatches, or parameters missing from ``state``
-                (tied weights excepted).
+            RequestError: an empty update, unknown names, shape mismatches, non-floating dtypes,
+                NaN/inf values, or inconsistent tied aliases; the message names the tensors.
         """
+        torch = self.torch
+        if not state:
+            raise RequestError("the weight update holds no tensor")
         params = self._named_tensors()
         unknown = sorted(set(state) - set(params))
         if unknown:
-            raise RequestError(f"weights contain unknown parameter(s) {unknown[:5]} (model has e.g. {next(iter(params))})")
+            raise RequestError(
+                f"weights contain {len(unknown)} unknown parameter(s) {unknown[:5]} (model has e.g. {next(iter(params))})"
+            )
         bad = [f"{n}: got {tuple(t.shape)}, model {tuple(params[n].shape)}" for n, t in state.items() if tuple(t.shape) != tuple(params[n].shape)]
         if bad:
             raise RequestError("shape mismatch: " + "; ".join(bad[:5]))
+        kinds = [f"{n}: {t.dtype}" for n, t in state.items() if not (t.is_floating_point())]
+        if kinds:
+            raise RequestError("weights must be floating point tensors: " + "; ".join(kinds[:5]))
+        out: dict = {}
+        nonfinite = []
+        for name, t in state.items():
+            c = t.detach().to(device="cpu", dtype=params[name].dtype)
+            if not bool(torch.isfinite(c).all()):
+                nonfinite.append(f"{name} ({int((~torch.isfinite(c)).sum())} of {c.numel()} values)")
+            out[name] = c
+        if nonfinite:
+            raise RequestError(
+                "weights contain NaN or inf values (the trainer diverged, or a cast to the engine dtype "
+                f"{str(self.dtype).replace('torch.', '')} overflowed): " + "; ".join(nonfinite[:5]) + "; the old weights are kept"
+            )
+        by_tensor: dict[int, str] = {}
+        for name in out:
+            key = id(params[name])
+            other = by_tensor.setdefault(key, name)
+            if other != name and not torch.equal(out[other], out[name]):
+                raise RequestError(f"{other} and {name} are tied in this model (one tensor) but the update gives them different values")
+        return out
 
     # -- abort / retract ----------------------------------------------------------------------
 
@@ -610,6 +653,13 @@ class Engine:
                     go.append(s)
             if go:
                 placements.append((i, go))
+        # a prompt whose logits are not finite fails on its own (500), the others are placed
+        bad_items = set(self._nonfinite_rows(last[torch.tensor([i for i, _ in placements], dtype=torch.long)]))
+        if bad_items:
+            for k in sorted(bad_items):
+                i, go = placements[k]
+                updated += self._fail_nonfinite(go, f"the prefill of its {len(items[i].ids)} prompt tokens")
+            placements = [pl for k, pl in enumerate(placements) if k not in bad_items]
         if not placements:
             return updated
         # sample the first new token of every placed sample from its item's last logits
@@ -624,7 +674,15 @@ class Engine:
             for j, s in enumerate(go):
                 if j > 0 and not s.output_ids:
                     s.cached_tokens = len(s.prompt_ids)  # shared prefill of the n samples
-        tokens, lps, tops = sample_tokens(logits, samples, self._stop_ids, self.generator)
+        tokens, lps, tops, failed = self._sample(logits, samples)
+        if failed:  # their distributions were invalid: they failed (500); place the others only
+            updated += failed
+            gone = {id(s) for s in failed}
+            placements = [(i, [s for s in go if id(s) not in gone]) for i, go in placements]
+            placements = [(i, go) for i, go in placements if go]
+            samples = [s for _, go in placements for s in go]
+            if not samples:
+                return updated
         # place KV right-aligned into free slots
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         new_len = max(self._length, max(len(items[i].ids) for i, _ in placements))
@@ -639,6 +697,11 @@ class Engine:
                 src_v = kv[layer][1][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
                 self._K[layer][idx, :, self._length - n : self._length] = src_k
                 self._V[layer][idx, :, self._length - n : self._length] = src_v
+                # the padding columns of a reused or fresh slot hold a previous row's keys or
+                # uninitialised memory; masked or not, a non-finite value there turns the row's
+                # attention output into NaN (score NaN + mask = NaN, 0 * NaN = NaN), so clear them
+                self._K[layer][idx, :, : self._length - n] = 0
+                self._V[layer][idx, :, : self._length - n] = 0
             self._mask[idx] = False
             self._mask[idx, self._length - n : self._length] = True
             self._pos[idx] = n
@@ -664,6 +727,11 @@ class Engine:
                     self._V[layer][:B, :, d : d + self._length] = self._V[layer][:B, :, : self._length].clone()
                 self._mask[:B, d : d + self._length] = self._mask[:B, : self._length].clone()
             if B:
+                # the columns exposed on the left are padding of every existing row: they are masked,
+                # but attention still multiplies them (0 * NaN = NaN), so they must hold finite values
+                for layer in range(self.num_layers):
+                    self._K[layer][:B, :, :d] = 0
+                    self._V[layer][:B, :, :d] = 0
                 self._mask[:B, :d] = False
             for row in self._rows:
                 if row is not None:
@@ -690,8 +758,10 @@ class Engine:
         B, Lc = len(self._rows), self._length
         newK, newV = [], []
         for layer in range(self.num_layers):
-            k = torch.empty(shape, dtype=self.dtype)
-            v = torch.empty(shape, dtype=self.dtype)
+            # zeros, not empty: uninitialised memory can hold NaN/inf bit patterns, and a masked
+            # column is still part of the attention arithmetic (see _prefill)
+            k = torch.zeros(shape, dtype=self.dtype)
+            v = torch.zeros(shape, dtype=self.dtype)
             if self._K and B and Lc:
                 k[:B, :, :Lc] = self._K[layer][:B, :, :Lc]
                 v[:B, :, :Lc] = self._V[layer][:B, :, :Lc]
@@ -769,13 +839,83 @@ class Engine:
         if len(live) < B:
             logits = logits[torch.tensor(live)]
         samples = [self._rows[i].sample for i in live]
-        tokens, lps, tops = sample_tokens(logits, samples, self._stop_ids, self.generator)
+        self.stats["decode_steps_total"] += 1
+        bad = self._nonfinite_rows(logits)
+        failed: list[EngineSample] = []
+        if bad:
+            # a row whose logits are NaN/inf fails alone (500 with a clear message); the batch goes on
+            bad_set = set(bad)
+            for k in bad:
+                self._rows[live[k]] = None
+            failed = self._fail_nonfinite([samples[k] for k in bad], "a decode step")
+            keep = [k for k in range(len(live)) if k not in bad_set]
+            live = [live[k] for k in keep]
+            samples = [samples[k] for k in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long)]
+            if not live:
+                self._maybe_compact()
+                return failed
+        tokens, lps, tops, failed2 = self._sample(logits, samples)
+        if failed2:
+            gone = {id(s) for s in failed2}
+            for k, s in enumerate(samples):
+                if id(s) in gone:
+                    self._rows[live[k]] = None
+            failed += failed2
+            keep = [k for k, s in enumerate(samples) if id(s) not in gone]
+            live = [live[k] for k in keep]
+            samples = [samples[k] for k in keep]
+            if not live:
+                self._maybe_compact()
+                return failed
         if len(live) < B:
             self._next[torch.tensor(live)] = torch.tensor(tokens, dtype=torch.long)
         else:
             self._next[:B] = torch.tensor(tokens, dtype=torch.long)
-        self.stats["decode_steps_total"] += 1
-        return self._append_tokens(samples, tokens, lps, tops, live)
+        updated = self._append_tokens(samples, tokens, lps, tops, live)
+        if failed and not any(s.finished for s in samples):
+            self._maybe_compact()
+        return failed + updated
+
+    def _sample(self, logits, samples: list[EngineSample]):
+        """:func:`sample_tokens`, failing (500) the samples whose distribution is invalid.
+
+        Returns ``(tokens, logprobs, tops, failed)`` for the samples not in ``failed``, in order.
+        """
+        torch = self.torch
+        failed: list[EngineSample] = []
+        while samples:
+            try:
+                tokens, lps, tops = sample_tokens(logits, samples, self._stop_ids, self.generator)
+                return tokens, lps, tops, failed
+            except NonFiniteLogits as exc:
+                bad = set(exc.rows)
+                failed += self._fail_nonfinite([samples[k] for k in exc.rows], "sampling (after penalties, logit bias and temperature)")
+                keep = [k for k in range(len(samples)) if k not in bad]
+                samples = [samples[k] for k in keep]
+                logits = logits[torch.tensor(keep, dtype=torch.long)] if keep else logits[:0]
+        return [], [], [], failed
+
+    def _nonfinite_rows(self, logits) -> list[int]:
+        """Indices of the rows of ``logits`` ``(R, V)`` that hold a NaN or an infinity."""
+        torch = self.torch
+        ok = torch.isfinite(logits).all(dim=-1)
+        if bool(ok.all()):
+            return []
+        return [int(i) for i in torch.nonzero(~ok).flatten()]
+
+    def _fail_nonfinite(self, samples: list[EngineSample], where: str) -> list[EngineSample]:
+        """End ``samples`` with a 500: the model produced non-finite logits for them."""
+        for s in samples:
+            message = (
+                f"engine error: the model produced non-finite logits (NaN or inf) for request {s.rid} in "
+                f"{where} (prompt {len(s.prompt_ids)} tokens, output {len(s.output_ids)} tokens, weight "
+                f"version {self.weight_version}); only this request failed"
+            )
+            log.error(message)
+            self._finish(s, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
+        self.stats["nonfinite_logits_total"] += len(samples)
+        return list(samples)
 
     def _stop_ids(self, s: EngineSample) -> set[int]:
         return set(s.params.stop_token_ids) | self.eos_ids

@@ -21,10 +21,11 @@ are part of the behaviour distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["RequestError", "SamplingParams", "sample_tokens", "GREEDY_EPS"]
+__all__ = ["RequestError", "NonFiniteLogits", "SamplingParams", "sample_tokens", "GREEDY_EPS"]
 
 #: SGLang treats ``temperature < 1e-6`` as greedy.
 GREEDY_EPS = 1e-6
@@ -32,6 +33,18 @@ GREEDY_EPS = 1e-6
 
 class RequestError(ValueError):
     """A bad /generate (or other) request; the server answers HTTP 400 with this message."""
+
+
+class NonFiniteLogits(ValueError):
+    """Some rows' sampling distributions are not valid (NaN after penalties, bias and temperature).
+
+    Attributes:
+        rows: indices (into the ``logits`` given to :func:`sample_tokens`) of the bad rows.
+    """
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"non-finite sampling distribution in row(s) {rows}")
+        self.rows = rows
 
 
 _UNSUPPORTED_GRAMMAR = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
@@ -115,6 +128,8 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise RequestError(f"sampling_params.{name} must be a number, got {v!r}")
+            if not math.isfinite(v):  # JSON's NaN/Infinity literals; NaN would poison the sampler
+                raise RequestError(f"sampling_params.{name} must be a finite number, got {v!r}")
             if kind is int:
                 if float(v) != int(v):
                     raise RequestError(f"sampling_params.{name} must be an integer, got {v!r}")
@@ -177,8 +192,8 @@ class SamplingParams:
                     tid = int(k)
                 except (TypeError, ValueError):
                     raise RequestError(f"logit_bias key {k!r} is not a token id") from None
-                if not 0 <= tid < vocab_size or isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise RequestError(f"logit_bias entry {k!r}: {v!r} must map a token id in [0, {vocab_size}) to a number")
+                if not 0 <= tid < vocab_size or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise RequestError(f"logit_bias entry {k!r}: {v!r} must map a token id in [0, {vocab_size}) to a finite number")
         for name in _UNSUPPORTED_GRAMMAR:
             if getattr(self, name) is not None:
                 raise RequestError(f"sampling_params.{name} (constrained decoding) is not supported by the embedded engine")
@@ -205,7 +220,7 @@ def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
     """Sample one next token per row and report its behaviour logprob.
 
     Args:
-        logits: ``(R, V)`` fp32 tensor, one row per sequence (modified in place).
+        logits: ``(R, V)`` fp32 tensor, one row per sequence (not modified).
         samples: R engine samples (``.params``, ``.output_ids``, ``.prompt_ids``,
             ``.generator`` for seeded rows, ``.top_logprobs_num``).
         stop_ids_for: ``sample -> set[int]`` of token ids that end the sample (masked while
@@ -215,11 +230,18 @@ def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
     Returns:
         ``(tokens, logprobs, tops)``: python lists of R ints, R floats, and R entries that are
         ``None`` or a list of ``(logprob, token_id)`` pairs (``top_logprobs_num`` best).
+
+    Raises:
+        NonFiniteLogits: rows whose distribution holds NaN (non-finite logits, or adjustments
+            that overflowed fp32); nothing is sampled, ``logits`` is unchanged, so the caller
+            can drop those rows and call again.
     """
     import torch
 
     R = logits.shape[0]
     params = [s.params for s in samples]
+    if any(p.needs_adjust or p.min_new_tokens for p in params):
+        logits = logits.clone()  # adjustments stay local: a retry without bad rows starts clean
     for i, (s, p) in enumerate(zip(samples, params)):
         if p.needs_adjust:
             _adjust_logits(logits[i], p, s.output_ids, s.prompt_ids)
@@ -231,6 +253,9 @@ def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
     temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=logits.dtype)
     scaled = logits if all(greedy) else logits / temps[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)  # (R, V) behaviour distribution
+    bad = torch.isnan(logprobs).any(dim=-1)  # +inf or NaN logits, or every token masked to -inf
+    if bool(bad.any()):
+        raise NonFiniteLogits([int(i) for i in torch.nonzero(bad).flatten()])
     if all(greedy):
         tokens = torch.argmax(logits, dim=-1)
     else:

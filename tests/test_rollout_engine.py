@@ -273,23 +273,31 @@ async def test_distributed_weight_update_over_gloo(srv_w, dirs, models):
 
 
 async def test_engine_failure_fails_requests_not_the_server(srv_w, models):
-    """Weights full of NaN make sampling fail inside a decode step: the requests of that step
-    get an error (500 / an error chunk), the server keeps serving, and good weights fix it."""
+    """NaN weights are refused (400, old weights kept). Finite weights that overflow fp32 (one
+    embedding row of 3e38, tied to the output layer, makes every logits row inf/NaN) fail the
+    requests (500 / an error chunk naming the non-finite logits), the server keeps serving, and
+    good weights fix it."""
     import math
 
     from rollout_server.client import EngineError
 
-    bad = {n: p.detach().clone().fill_(math.nan) for n, p in models[0].named_parameters() if n.endswith("norm.weight")}
+    nan = {n: p.detach().clone().fill_(math.nan) for n, p in models[0].named_parameters() if n.endswith("norm.weight")}
+    emb = models[0].get_input_embeddings().weight.detach().clone()
+    huge = emb.clone()
+    huge[5] = 3e38
     async with srv_w.client() as c:
-        await c.update_weights_from_tensor(bad, weight_version="nan")
+        with pytest.raises(EngineError) as err:
+            await c.update_weights_from_tensor(nan, weight_version="nan")
+        assert err.value.status == 400 and "NaN or inf" in err.value.message
+        assert await c.weight_version() == "0"
+        await c.update_weights_from_tensor({"model.embed_tokens.weight": huge}, weight_version="huge")
         with pytest.raises(EngineError) as err:
             await c.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 1.0})
-        assert err.value.status == 500 and "engine error" in err.value.message
-        with pytest.raises(EngineError, match="engine error"):
-            await c.generate_collect([1, 2, 3], {"max_new_tokens": 4, "temperature": 1.0})
+        assert err.value.status == 500 and "engine error" in err.value.message and "non-finite logits" in err.value.message
+        with pytest.raises(EngineError, match="non-finite logits"):
+            await c.generate_collect([1, 2, 3], {"max_new_tokens": 4, "temperature": 0})
         assert await c.health()
-        good = {n: p.detach().clone() for n, p in models[0].named_parameters() if n in bad}
-        await c.update_weights_from_tensor(good, weight_version="0")
+        await c.update_weights_from_tensor({"model.embed_tokens.weight": emb}, weight_version="0")
         out = await c.generate([1, 2, 3], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert out["output_ids"] == greedy_reference(models[0], [1, 2, 3], 6)[0]
 
