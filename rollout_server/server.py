@@ -32,6 +32,7 @@ import asyncio
 import base64
 import hmac
 import json
+import math
 import logging
 import sys
 import time
@@ -103,7 +104,22 @@ def _error(message: str, status: int = 400) -> web.Response:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    """Strict JSON; a NaN/inf (e.g. a ``-inf`` top logprob of a token masked by ``min_new_tokens``)
+    becomes ``null`` instead of an exception that would break a stream mid-response."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite_or_none(obj), separators=(",", ":"), allow_nan=False)
+
+
+def _finite_or_none(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
 
 
 class RolloutHTTPServer:

@@ -323,3 +323,16 @@ async def test_invalid_distribution_fails_only_its_request(model_dir):
                     assert r.status == 400 and "finite" in (await r.json())["error"]["message"], raw
         out = await c.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
         assert len(out["output_ids"]) == 3
+
+
+async def test_masked_top_logprobs_do_not_break_a_stream(model_dir):
+    """``min_new_tokens`` masks the EOS token to -inf; asking for every top logprob puts that -inf
+    into the response: it is sent as null (strict JSON), the stream is not cut mid-response."""
+    async with _InProcessServer(model_dir) as srv, EngineClient(srv.url) as c:
+        vocab = srv.server.engine.vocab_size
+        params = {"max_new_tokens": 3, "min_new_tokens": 3, "temperature": 1.0}
+        chunks = [d async for d in c.generate_stream([1, 2, 3], params, top_logprobs_num=vocab)]
+        assert sum(len(d.token_ids) for d in chunks) == 3 and chunks[-1].finish_reason["type"] == "length"
+        out = await c.generate([1, 2, 3], params, return_logprob=True, top_logprobs_num=vocab)
+        first = out["meta_info"]["output_top_logprobs"][0]
+        assert len(first) == vocab and first[-1][0] is None and all(x[0] is not None for x in first[:-5])
