@@ -16,7 +16,15 @@ arrived prompts together, left-padded), then copied right-aligned into free slot
 the very next decode step. The ``n`` samples of a prompt share a single prefill: the prompt is
 prefilled once and its keys/values are copied into ``n`` slots. Finished rows are left as dead
 slots (reused by the next arrival) and compacted away when they exceed a quarter of the batch;
-padding columns no live row needs are trimmed the same way.
+padding columns no live row needs are trimmed the same way. Padding columns hold zeros, never
+stale or uninitialised memory: masked columns still take part in the attention arithmetic, and
+one NaN/inf there made a whole row's logits NaN (the multinomial "inf, nan or element < 0"
+failures).
+
+Failures: a row whose logits are non-finite (or whose sampling distribution is, after penalties,
+bias and temperature) fails alone with a 500 naming it; any other exception in a step fails every
+live request with a 500 and the engine goes on. Weight updates are validated and converted
+completely (names, shapes, floating dtypes, finite values, tied aliases) before the first copy.
 
 Weights change only between steps. Each output token records the weight version that produced
 it (spans, SGLang's ``meta_info.weight_versions``).
