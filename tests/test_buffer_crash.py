@@ -56,7 +56,7 @@ def run_round(redis_server, tmp_path: Path, seed: int, kill_redis: bool) -> dict
                "w1": (rng.choice(WORKER_KINDS), rng.randint(1, 20)), "trainer": (tkind, rng.randint(1, 3))}
     procs = {name: _spawn(*spec, *crashes[name]) for name, spec in specs.items()}
     kills = {name: 0 for name in specs}
-    redis_kill_at = time.monotonic() + rng.uniform(0.5, 2.0) if kill_redis else None
+    redis_kill_at = time.monotonic() + rng.uniform(0.05, 1.0) if kill_redis else None
     deadline = time.monotonic() + 40
     try:
         while True:
@@ -74,7 +74,9 @@ def run_round(redis_server, tmp_path: Path, seed: int, kill_redis: bool) -> dict
                     raise AssertionError(f"round {seed}: {name} exited with {rc}: {err[-3000:]}")
                 kills[name] += 1
                 procs[name] = _spawn(*specs[name], "none", 0)  # restart; no second crash
-            if redis_kill_at is not None and time.monotonic() > redis_kill_at:
+            # Kill redis at a seeded moment, or at the latest once the first checkpoint (step 2
+            # of 6) exists, so the kill always lands mid-round however fast the machine is.
+            if redis_kill_at is not None and (time.monotonic() > redis_kill_at or ckpt.exists()):
                 redis_server.kill()  # SIGKILL: everything acknowledged is in the AOF (kernel page cache)
                 time.sleep(0.1)
                 redis_server.start()
