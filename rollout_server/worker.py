@@ -478,7 +478,15 @@ class RolloutWorker:
         except VersionAhead:
             return await self._version_ahead(item)
         except EngineUnavailable as exc:
-            log.warning("engine stream broke for sample %s: %s", item.sample_id, exc)
+            n = self._engine_failures[item.sample_id] = self._engine_failures.get(item.sample_id, 0) + 1
+            log.warning("engine stream broke for sample %s (%d/%d): %s", item.sample_id, n,
+                        self.MAX_ENGINE_FAILURES, exc)
+            if n >= self.MAX_ENGINE_FAILURES and await self.client.health():
+                # The engine answers /health but keeps breaking this sample's stream: stop loudly
+                # instead of reclaiming and breaking it forever (the run must never hang).
+                await self._end(item, "abort", ids, lps, vers)
+                raise WorkerError(f"the stream of sample {item.sample_id} broke {n} times while the engine at "
+                                  f"{self.client.url} stayed healthy (last: {exc}); stopping") from exc
             self._engine_lost = True
             engine_finish = None
         except EngineError as exc:

@@ -512,3 +512,46 @@ def test_cli_rejects_bad_invocations_before_starting_anything(redis_url, tiny_mo
     assert "--server_index 3 is out of range" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "--server_index" in capsys.readouterr().out
+
+
+async def test_stream_that_keeps_breaking_on_a_healthy_engine_stops_the_worker(redis_url, tokenizer):
+    """Fault injection over real HTTP: an engine that answers /health but cuts every /generate
+    stream after its first chunk. The worker must not reclaim and break the sample forever: after
+    ``MAX_ENGINE_FAILURES`` broken streams of one sample it stops with a WorkerError naming it."""
+    from aiohttp import web
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"text": "", "output_ids": [7], "meta_info": {
+            "id": "x", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 1,
+            "weight_version": "0", "output_token_logprobs": [[-1.0, 7, None]]}}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        request.transport.close()  # the connection breaks mid-stream
+        return resp
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "0", "incremental_streaming_output": True,
+                                  "success": True, "message": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    for path in ("/health", "/get_model_info", "/get_server_info"):
+        app.router.add_get(path, ok)
+    app.router.add_post("/update_weight_version", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with await ReplayBuffer.open(redis_url, "broken", _settings(n_samples_per_prompt=2)) as buf:
+            await _feed(buf, [PromptGroup("g", [5, 6, 7], {}, 2)])
+            w = _worker(buf, f"http://127.0.0.1:{port}", tokenizer, "w-broken", inflight=1)
+            with pytest.raises(WorkerError, match=r"g/\d.*broke 3 times"):
+                await asyncio.wait_for(w.run(asyncio.Event()), 60)
+            await w.client.close()
+            _, samples = await buf.get_group("g")
+            assert all(s.status != SampleStatus.COMPLETE for s in samples)  # nothing was passed off as done
+    finally:
+        await runner.cleanup()
