@@ -222,6 +222,13 @@ def _make_preexec(cores: list[int] | None) -> Callable[[], None]:
     return preexec
 
 
+#: torch.distributed / torchrun variables a child must not inherit from the supervisor.
+DIST_ENV_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+})
+
+
 class Supervisor:
     """Starts, watches, restarts, pauses and stops role processes.
 
@@ -243,8 +250,14 @@ class Supervisor:
     # -- start ---------------------------------------------------------------------------------
 
     def child_env(self, spec: RoleSpec) -> dict[str, str]:
-        """The environment a role starts with (base + thread counts + GPUs + ``spec.env``)."""
-        env = dict(self.base_env)
+        """The environment a role starts with (base + thread counts + GPUs + ``spec.env``).
+
+        torch.distributed rendezvous variables of the supervisor's own environment
+        (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...) are never inherited: a role that needs
+        them gets its own through ``spec.env`` or its launcher (torchrun). Inheriting them made a
+        one-rank trainer rendezvous on a port its parent still held (EADDRINUSE).
+        """
+        env = {k: v for k, v in self.base_env.items() if k not in DIST_ENV_VARS}
         if spec.cores:
             threads = str(len(spec.cores))
             env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)

@@ -273,3 +273,14 @@ def test_split_cores_and_tail_lines(tmp_path):
     f.write_text("".join(f"{i}\n" for i in range(100)))
     assert tail_lines(f, 3) == "97\n98\n99"
     assert tail_lines(tmp_path / "missing") == "(no log)"
+
+
+def test_children_do_not_inherit_the_supervisors_rendezvous_variables(tmp_path):
+    """A parent that is itself a torch.distributed rank (e.g. a test process that initialised a
+    one-rank group) must not hand its MASTER_PORT/WORLD_SIZE to a child trainer."""
+    base = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "50385"}
+    sup = Supervisor(tmp_path / "logs", base_env=base)
+    env = sup.child_env(RoleSpec("trainer", ["true"], env={"MASTER_PORT": "29511"}))
+    assert "WORLD_SIZE" not in env and "RANK" not in env and "MASTER_ADDR" not in env
+    assert env["MASTER_PORT"] == "29511"  # what the role's own spec sets still applies
+    assert env["PATH"] == os.environ["PATH"]
