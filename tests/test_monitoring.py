@@ -222,25 +222,34 @@ class PrometheusServer:
         groups = self._get("/api/v1/rules")["groups"]
         return [(r["name"], r["health"], r.get("lastError", "")) for g in groups for r in g["rules"]]
 
-    def assert_dashboard_has_data(self, skip=lambda title, expr: False, rate_interval: str = "10s") -> dict[str, float]:
+    def assert_dashboard_has_data(self, skip=lambda title, expr: False, rate_interval: str = "10s",
+                                  timeout: float = 0.0) -> dict[str, float]:
         """Evaluate every dashboard query; each must succeed and return at least one sample.
 
         ``skip(title, expr)`` excludes queries whose source is not running (e.g. ``sglang:``
-        names without an engine). Returns ``{expr: first value}`` for further checks.
+        names without an engine). Queries still empty are re-evaluated every second for up to
+        ``timeout`` seconds (a ``rate()`` needs two scrapes with a change: on a fast machine a live
+        run can reach the check before every window has them). Returns ``{expr: first value}``.
 
         Raises:
-            AssertionError: a query failed or returned nothing (listing all of them).
+            AssertionError: a query failed, or some returned nothing by the deadline (listing them).
         """
-        empty, values = [], {}
-        for title, expr in dashboard_targets():
-            if skip(title, expr):
-                continue
-            result = self.query(expand(expr, rate_interval))
-            if not result:
-                empty.append(f"{title}: {expr}")
-            else:
-                values[expr] = float(result[0]["value"][1])
-        assert not empty, "dashboard queries without data:\n  " + "\n  ".join(empty)
+        pending = [(title, expr) for title, expr in dashboard_targets() if not skip(title, expr)]
+        values: dict[str, float] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            empty = []
+            for title, expr in pending:
+                result = self.query(expand(expr, rate_interval))
+                if result:
+                    values[expr] = float(result[0]["value"][1])
+                else:
+                    empty.append((title, expr))
+            pending = empty
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        assert not pending, "dashboard queries without data:\n  " + "\n  ".join(f"{t}: {e}" for t, e in pending)
         return values
 
 
@@ -529,7 +538,7 @@ def test_real_prometheus_scrapes_roles_and_serves_the_dashboard(prometheus_serve
         )
         assert float(result[0]["value"][1]) > 0
         time.sleep(2)  # let the rules evaluate at least once
-        values = prom.assert_dashboard_has_data(skip=lambda title, expr: "sglang:" in expr)
+        values = prom.assert_dashboard_has_data(skip=lambda title, expr: "sglang:" in expr, timeout=30)
         assert values['max(asyncrl_buffer_policy_version{run=~"$run"})'] == 3
         bad_rules = [r for r in prom.rule_health() if r[1] == "err"]
         assert not bad_rules, bad_rules

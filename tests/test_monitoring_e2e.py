@@ -80,7 +80,7 @@ def test_prometheus_scrapes_a_real_tiny_run_and_every_panel_has_data(tmp_path, t
             prom.wait_for('max(asyncrl_trainer_checkpoint_duration_seconds_count{run="tiny"})', timeout=60, predicate=_positive)
             prom.wait_for('sum(asyncrl_buffer_sample_staleness_count{run="tiny"})', timeout=30, predicate=_positive)
             assert proc.poll() is None, "the run ended before the checks:\n" + logs()
-            values = prom.assert_dashboard_has_data()
+            values = prom.assert_dashboard_has_data(timeout=60)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{logs()}") from None
         assert values['max(asyncrl_buffer_policy_version{run=~"$run"})'] > 0
