@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from rollout_server.client import EngineClient
 from rollout_server.launch import free_port
 
-__all__ = ["ServerProcess", "start_embedded_server", "make_random_model", "greedy_reference", "recompute_logprobs"]
+__all__ = ["ServerProcess", "serve_app", "start_embedded_server", "make_random_model", "greedy_reference", "recompute_logprobs"]
 
 
 @dataclass
@@ -127,3 +128,22 @@ def recompute_logprobs(model: Any, prompt_ids: list[int], response_ids: list[int
     P = len(prompt_ids)
     lsm = torch.log_softmax(logits[P - 1 : P - 1 + len(response_ids)] / temperature, dim=-1)
     return lsm.gather(1, torch.tensor(response_ids)[:, None]).squeeze(1).tolist()
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any, host: str = "127.0.0.1"):
+    """Serve an ``aiohttp.web.Application`` on a free loopback port for the duration of the block.
+
+    Yields:
+        the port (int). The server is cleaned up on exit, also when the block raises.
+    """
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]
+    finally:
+        await runner.cleanup()

@@ -302,19 +302,13 @@ async def test_metrics_app_handler_over_real_http():
     reg = _registry_with_sglang_names()
     app = web.Application()
     app.router.add_get("/metrics", M.metrics_app_handler(reg))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT}) as r:
-                assert r.status == 200
-                assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-                text = await r.text()
-    finally:
-        await runner.cleanup()
+    from rollout_server.testing import serve_app
+
+    async with serve_app(app) as port, aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT}) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            text = await r.text()
     assert "asyncrl_rollout_partial_resumes_total 1.0" in text
     assert 'sglang:num_running_reqs{model_name="tiny"} 3.0' in text
     # the trap this avoids, shown on the client library itself:

@@ -539,12 +539,9 @@ async def test_stream_that_keeps_breaking_on_a_healthy_engine_stops_the_worker(r
     for path in ("/health", "/get_model_info", "/get_server_info"):
         app.router.add_get(path, ok)
     app.router.add_post("/update_weight_version", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
+    from rollout_server.testing import serve_app
+
+    async with serve_app(app) as port:
         async with await ReplayBuffer.open(redis_url, "broken", _settings(n_samples_per_prompt=2)) as buf:
             await _feed(buf, [PromptGroup("g", [5, 6, 7], {}, 2)])
             w = _worker(buf, f"http://127.0.0.1:{port}", tokenizer, "w-broken", inflight=1)
@@ -553,5 +550,3 @@ async def test_stream_that_keeps_breaking_on_a_healthy_engine_stops_the_worker(r
             await w.client.close()
             _, samples = await buf.get_group("g")
             assert all(s.status != SampleStatus.COMPLETE for s in samples)  # nothing was passed off as done
-    finally:
-        await runner.cleanup()
