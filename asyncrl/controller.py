@@ -287,14 +287,10 @@ class _TrainerTail:
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir / "metrics"
         self.offsets: dict[Path, int] = {}
-        self.logged_steps: set[int] = set()
 
-    def skip_logged(self, logged_steps: set[int]) -> None:
-        """On ``--resume``: re-read the trainer's files from the start but drop the steps already
-        forwarded. Skipping to the end of the files instead lost the records the trainer wrote
-        between the controller's last read and its death (e.g. the step of the last checkpoint,
-        which the resumed trainer does not train again)."""
-        self.logged_steps = set(logged_steps)
+    def skip_existing(self) -> None:
+        for path in sorted(self.dir.glob("*.jsonl")) if self.dir.exists() else []:
+            self.offsets[path] = path.stat().st_size
 
     def read_new(self) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
@@ -317,9 +313,6 @@ class _TrainerTail:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(rec, dict) and "role" not in rec:
-                    step = rec.get("step")
-                    if isinstance(step, int) and step in self.logged_steps:
-                        continue
                     out.append((path.stem, rec))
         return out
 
@@ -818,14 +811,7 @@ class Controller:
         self.trainer_tail = _TrainerTail(self.run_dir)
         if self.resumed:
             self.tail.seek_to_end()
-            from asyncrl.tracking import read_metrics
-
-            try:
-                previous = read_metrics(self.run_dir)
-            except TrackingError:  # killed before anything was logged
-                previous = []
-            self.trainer_tail.skip_logged({r["step"] for r in previous
-                                           if r.get("role") == "trainer" and isinstance(r.get("step"), int)})
+            self.trainer_tail.skip_existing()
         self.progress = Progress(cfg.run.total_steps, cfg.run.name, cfg.buffer.max_staleness,
                                  live=None if cfg.monitoring.progress else False)
         print(f"asyncrl train: run {cfg.run.name!r} in {self.run_dir} ({'resumed' if self.resumed else 'new'}); "

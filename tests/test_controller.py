@@ -172,20 +172,3 @@ def test_role_specs_wire_each_role(tmp_path):
     assert [s.stop_order for s in specs.values()] == [0, 1, 1, 2]
     ctl._prepare_run_dir()  # the resolved config on disk never holds the Redis password
     assert "redis_url: null" in (tmp_path / "tiny" / "config.yaml").read_text()
-
-
-def test_resume_forwards_trainer_records_the_dead_controller_had_not_read(tmp_path):
-    """On --resume the trainer's step records are re-read from the start minus the steps already
-    logged: a record written between the controller's last read and its SIGKILL (e.g. the step
-    of the last checkpoint, never trained again) must not be lost."""
-    import json as _json
-
-    from asyncrl.controller import _TrainerTail
-
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "trainer.jsonl").write_text(
-        "".join(_json.dumps({"step": s, "loss": 0.1 * s}) + "\n" for s in (1, 2, 3)))
-    tail = _TrainerTail(tmp_path)
-    tail.skip_logged({1, 2})
-    assert [rec["step"] for _, rec in tail.read_new()] == [3]
-    assert tail.read_new() == []  # nothing twice
