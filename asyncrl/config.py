@@ -80,12 +80,30 @@ class ModelConfig(_Section):
 
 
 class ArithmeticConfig(_Section):
-    digits: int = Field(2, ge=1, le=9)
-    """Maximum number of digits of each operand."""
+    digits: int | list[int] = 2
+    """Maximum number of digits of each operand (1-9): one number for every operand, or a list with one entry per operand (``[2, 1]``: a two-digit plus a one-digit number)."""
     operators: str = Field("+-", pattern=r"^[+\-*]{1,3}$")
     """Operators drawn uniformly: any of ``+``, ``-``, ``*``."""
     n_terms: int = Field(2, ge=2, le=6)
     """Number of operands in each problem."""
+
+    @model_validator(mode="after")
+    def _check_digits(self) -> "ArithmeticConfig":
+        per_term = self.digits if isinstance(self.digits, list) else [self.digits] * self.n_terms
+        if len(per_term) != self.n_terms:
+            raise ValueError(
+                f"data.arithmetic.digits has {len(per_term)} entries but n_terms is {self.n_terms}: "
+                "give one digit count per operand, or a single number for all"
+            )
+        bad = [d for d in per_term if not 1 <= d <= 9]
+        if bad:
+            raise ValueError(f"data.arithmetic.digits must be between 1 and 9, got {bad}")
+        return self
+
+    @property
+    def digits_per_term(self) -> list[int]:
+        """Maximum digits of operand ``i``, one entry per operand."""
+        return list(self.digits) if isinstance(self.digits, list) else [self.digits] * self.n_terms
 
 
 class DataConfig(_Section):
@@ -99,8 +117,12 @@ class DataConfig(_Section):
     """Size of the (procedural) training split; the feeder cycles through it in a seeded order."""
     num_heldout_prompts: int = Field(500, ge=1)
     """Size of the held-out split (disjoint from training by a hash of the problem)."""
+    heldout_percent: int = Field(10, ge=1, le=90)
+    """Share of the problem space held out for evaluation, by a hash of the problem (a small problem space needs a larger share to hold ``num_heldout_prompts`` distinct problems)."""
     system_prompt: str | None = "Solve the problem. Put the final answer after 'Answer:'."
     """System message rendered with the tokenizer's chat template (None: no system message)."""
+    response_prefix: str | None = None
+    """Text that opens the assistant's turn after the chat template's generation prompt (an assistant prefill), formatted with the problem's metadata (``"{expression} ="`` for arithmetic; ``gold`` is not available). It is part of the prompt tokens, so it is never trained on; reward functions and evaluation see ``prefix + generated text``. None: no prefill."""
     reward: str = "math_verify"
     """Reward function: ``math_verify`` (answer check), ``format`` or a user function ``module:function``."""
     format_reward_weight: float = Field(0.0, ge=0.0, le=1.0)
@@ -310,6 +332,8 @@ class MonitoringConfig(_Section):
     """Held-out evaluation every this many steps (its time is reported separately; None: off)."""
     eval_num_problems: int = Field(400, ge=1)
     """Held-out problems per periodic evaluation."""
+    eval_modes: list[Literal["greedy", "sampled"]] = Field(["greedy", "sampled"], min_length=1)
+    """Decoding modes of the periodic evaluation: ``greedy`` and/or ``sampled`` (temperature 1.0)."""
 
 
 class SecurityConfig(_Section):

@@ -691,7 +691,7 @@ class Controller:
         out_dir.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(self.cfg_path), "--model", model,
                "--num_problems", str(cfg.monitoring.eval_num_problems), "--json",
-               "--threads", str(assignment.eval_threads)]
+               "--threads", str(assignment.eval_threads), "--modes", ",".join(cfg.monitoring.eval_modes)]
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,

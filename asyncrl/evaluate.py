@@ -113,6 +113,7 @@ def evaluate_problems(
     *,
     system_prompt: str | None,
     temperature: float,
+    response_prefix: str | None = None,
     max_new_tokens: int,
     seed: int = 0,
     batch_size: int = 32,
@@ -127,6 +128,8 @@ def evaluate_problems(
         tokenizer: its tokenizer (with a chat template).
         problems: :class:`asyncrl.tasks.Problem` records.
         system_prompt: system message for the chat template (``data.system_prompt``).
+        response_prefix: assistant prefill template (``data.response_prefix``); the answer is
+            checked on ``prefix + generated text``, as in training.
         temperature: 0 for greedy decoding, > 0 for sampling with top_p = 1 and top_k off.
         max_new_tokens: response cap in tokens.
         seed: torch seed set before generation (sampling reproducible for a fixed batch size).
@@ -140,7 +143,7 @@ def evaluate_problems(
     import torch
 
     from asyncrl.rewards import check_answer
-    from asyncrl.tasks import render_prompt
+    from asyncrl.tasks import render_prompt, render_response_prefix
 
     if temperature < 0 or max_new_tokens < 1 or not problems:
         raise ValueError(
@@ -160,18 +163,19 @@ def evaluate_problems(
     correct = fmt = tokens = truncated = 0
     for lo in range(0, len(problems), batch_size):
         batch = problems[lo : lo + batch_size]
-        ids = [render_prompt(tokenizer, p.text, system_prompt)[1] for p in batch]
+        prefixes = [render_response_prefix(response_prefix, p.metadata) for p in batch]
+        ids = [render_prompt(tokenizer, p.text, system_prompt, pre)[1] for p, pre in zip(batch, prefixes)]
         width = max(len(x) for x in ids)
         input_ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in ids])  # (B, T) left-padded
         attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
-        for p, row in zip(batch, out[:, width:].tolist()):
+        for p, prefix, row in zip(batch, prefixes, out[:, width:].tolist()):
             n_tok = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
             truncated += n_tok is None
             row = row[: n_tok or len(row)]
             tokens += len(row)
-            response = tokenizer.decode(row, skip_special_tokens=True)
+            response = prefix + tokenizer.decode(row, skip_special_tokens=True)
             check = check_answer(response, p.gold)
             correct += check.correct
             fmt += check.format_ok
@@ -235,7 +239,8 @@ def evaluate(
     model = load_causal_lm(path)
     return [
         evaluate_problems(
-            model, tokenizer, problems, system_prompt=data.system_prompt, temperature=t,
+            model, tokenizer, problems, system_prompt=data.system_prompt,
+            response_prefix=data.response_prefix, temperature=t,
             max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, task=data.task,
             model_name=str(model_path), samples=samples,
         )

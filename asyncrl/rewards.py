@@ -356,7 +356,9 @@ class RewardResult:
 class RewardScorer:
     """Scores samples with the configured reward function; never raises.
 
-    ``reward = fn(prompt, response, metadata) + format_reward_weight * format``.
+    ``reward = fn(prompt, response, metadata) + format_reward_weight * format``, where
+    ``response`` is the assistant's whole turn: ``metadata["response_prefix"]`` (the assistant
+    prefill of ``data.response_prefix``, when the task has one) followed by the generated text.
 
     Args:
         reward: ``data.reward`` (``math_verify``, ``format`` or ``module:function``).
@@ -380,6 +382,7 @@ class RewardScorer:
     def score(self, prompt: str, response: str, metadata: dict) -> RewardResult:
         """Score one sample (see the class docstring); errors come back in ``result.error``."""
         start = time.perf_counter()
+        response = str(metadata.get("response_prefix") or "") + response
         try:
             if self.fn is math_verify_reward:
                 check = check_answer(response, _gold(metadata))

@@ -3,8 +3,9 @@
 Every task yields :class:`Problem` records (problem text, gold answer, a JSON-serialisable
 metadata dict that travels with the prompt group through Redis to the reward function), split
 into a *train* and a *held-out* part. The split is a function of the problem alone: a problem
-is held out iff ``sha256(canonical problem) mod 100 < HELDOUT_PERCENT``, so no problem can be
-in both splits whatever the seed, the file order or the number of prompts requested.
+is held out iff ``sha256(canonical problem) mod 100 < data.heldout_percent`` (default
+``HELDOUT_PERCENT`` = 10), so no problem can be in both splits whatever the seed, the file order
+or the number of prompts requested.
 
 Training prompts come from :class:`TrainPromptStream`, a deterministic function of
 ``(data config, tokenizer, seed, cursor)``: cursor ``c`` is the ``c``-th prompt fed, epoch
@@ -13,8 +14,10 @@ controller records the cursor, so a restart neither skips nor repeats a prompt
 (ARCHITECTURE §4.1).
 
 Prompts are rendered with the tokenizer's chat template (system message from
-``data.system_prompt``, ``add_generation_prompt=True``) and tokenized once; token ids are never
-re-derived from text afterwards.
+``data.system_prompt``, ``add_generation_prompt=True``), followed by the optional assistant
+prefill ``data.response_prefix`` formatted with the problem's metadata, and tokenized once; token
+ids are never re-derived from text afterwards. The rendered prefill travels in the metadata
+(``response_prefix``) so that rewards and evaluation read ``prefix + generated text``.
 
 Simplified: file datasets are read whole into memory (the tasks this engine targets are at
 most ~10^5 prompts); the arithmetic task is generated on demand by index, so its train split
@@ -46,10 +49,11 @@ __all__ = [
     "is_heldout",
     "parse_gsm8k_answer",
     "render_prompt",
+    "render_response_prefix",
     "TrainPromptStream",
 ]
 
-#: Percentage of the problem space (by hash) that is held out for evaluation.
+#: Default percentage of the problem space (by hash) held out for evaluation (``data.heldout_percent``).
 HELDOUT_PERCENT = 10
 
 
@@ -99,9 +103,13 @@ def problem_hash(text: str) -> str:
     return hashlib.sha256(_canonical(text).encode("utf-8")).hexdigest()[:16]
 
 
-def is_heldout(hash_hex: str) -> bool:
-    """True when a problem with this :func:`problem_hash` belongs to the held-out split."""
-    return int(hash_hex, 16) % 100 < HELDOUT_PERCENT
+def is_heldout(hash_hex: str, percent: int = HELDOUT_PERCENT) -> bool:
+    """True when a problem with this :func:`problem_hash` belongs to the held-out split.
+
+    Args:
+        percent: share of the problem space held out, 1-90 (``data.heldout_percent``).
+    """
+    return int(hash_hex, 16) % 100 < percent
 
 
 class Task(ABC):
@@ -133,7 +141,7 @@ class Task(ABC):
 class ArithmeticTask(Task):
     """Procedurally generated integer arithmetic: ``What is 37 - 5 * 12?``.
 
-    Each operand is uniform in ``[0, 10**digits - 1]``; operators are drawn uniformly from
+    Operand ``i`` is uniform in ``[0, 10**digits[i] - 1]``; operators are drawn uniformly from
     ``operators``; the gold answer follows the usual precedence (``*`` before ``+``/``-``).
     Train problem ``i`` is drawn from ``Random("arith-train:{seed}:{i}:{attempt}")``, redrawn
     while its hash falls in the held-out buckets; the held-out problems are drawn from a fixed
@@ -143,17 +151,17 @@ class ArithmeticTask(Task):
 
     name = "arithmetic"
 
-    def __init__(self, cfg: ArithmeticConfig, num_train: int, seed: int = 0):
+    def __init__(self, cfg: ArithmeticConfig, num_train: int, seed: int = 0, heldout_percent: int = HELDOUT_PERCENT):
         self.cfg = cfg
         self._num_train = num_train
         self.seed = seed
+        self.heldout_percent = heldout_percent
 
     def num_train(self) -> int:
         return self._num_train
 
     def _draw(self, rng: random.Random) -> tuple[str, int]:
-        hi = 10**self.cfg.digits - 1
-        terms = [rng.randint(0, hi) for _ in range(self.cfg.n_terms)]
+        terms = [rng.randint(0, 10**d - 1) for d in self.cfg.digits_per_term]
         ops = [rng.choice(self.cfg.operators) for _ in range(self.cfg.n_terms - 1)]
         expr = str(terms[0])
         for op, t in zip(ops, terms[1:]):
@@ -179,7 +187,7 @@ class ArithmeticTask(Task):
         for attempt in range(1000):
             expr, value = self._draw(random.Random(f"arith-train:{self.seed}:{index}:{attempt}"))
             h = problem_hash(expr)
-            if not is_heldout(h):
+            if not is_heldout(h, self.heldout_percent):
                 return self._problem(expr, value, h, "train", index)
         raise TaskError("could not draw a train problem in 1000 attempts")  # p < 0.1**1000
 
@@ -193,15 +201,16 @@ class ArithmeticTask(Task):
                 break
             expr, value = self._draw(rng)
             h = problem_hash(expr)
-            if is_heldout(h) and h not in seen:
+            if is_heldout(h, self.heldout_percent) and h not in seen:
                 seen.add(h)
                 out.append(self._problem(expr, value, h, "heldout", len(out)))
         if len(out) < n:
             c = self.cfg
             raise TaskError(
                 f"the arithmetic task (digits={c.digits}, operators={c.operators!r}, n_terms={c.n_terms}) "
-                f"has only about {len(out)} distinct held-out problems, {n} requested: ask for fewer "
-                "(data.num_heldout_prompts / --num_problems) or make the task larger"
+                f"has only about {len(out)} distinct held-out problems ({self.heldout_percent}% held out), "
+                f"{n} requested: ask for fewer (data.num_heldout_prompts / --num_problems), raise "
+                "data.heldout_percent or make the task larger"
             )
         return out
 
@@ -238,9 +247,10 @@ class FileTask(Task):
     Rows are split by :func:`is_heldout` of their text; the train split keeps file order.
     """
 
-    def __init__(self, path: Path | str, kind: str):
+    def __init__(self, path: Path | str, kind: str, heldout_percent: int = HELDOUT_PERCENT):
         self.path = Path(path)
         self.name = kind
+        self.heldout_percent = heldout_percent
         if kind not in ("gsm8k", "jsonl", "parquet"):
             raise TaskError(f"unknown file task kind {kind!r}: use gsm8k, jsonl or parquet")
         if not self.path.is_file():
@@ -293,7 +303,7 @@ class FileTask(Task):
                 except TypeError:
                     pass
         meta.update(task=self.name, gold=gold, problem_hash=h, row=i,
-                    split="heldout" if is_heldout(h) else "train")
+                    split="heldout" if is_heldout(h, self.heldout_percent) else "train")
         return Problem(text=text, gold=gold, metadata=meta)
 
     def num_train(self) -> int:
@@ -312,8 +322,8 @@ class FileTask(Task):
                 out.append(p)
         if len(out) < n:
             raise TaskError(
-                f"{self.path} has {len(out)} distinct held-out problems ({HELDOUT_PERCENT}% of rows by hash), "
-                f"{n} requested: ask for fewer or use a larger file"
+                f"{self.path} has {len(out)} distinct held-out problems ({self.heldout_percent}% of rows by hash), "
+                f"{n} requested: ask for fewer, raise data.heldout_percent or use a larger file"
             )
         return out[:n]
 
@@ -327,21 +337,51 @@ def load_task(data: DataConfig, seed: int = 0) -> Task:
         TaskError: a file task without ``data.path``, or an unreadable/malformed file.
     """
     if data.task == "arithmetic":
-        return ArithmeticTask(data.arithmetic, data.num_train_prompts, seed)
+        return ArithmeticTask(data.arithmetic, data.num_train_prompts, seed, data.heldout_percent)
     if data.path is None:
         raise TaskError(f"data.task={data.task} needs data.path (a local file)")
-    return FileTask(data.path, data.task)
+    return FileTask(data.path, data.task, data.heldout_percent)
 
 
 # ------------------------------------------------------------------------------------------------
 # chat template and the training stream
 
 
-def render_prompt(tokenizer: Any, problem_text: str, system_prompt: str | None) -> tuple[str, list[int]]:
+def render_response_prefix(template: str | None, metadata: dict[str, Any]) -> str:
+    """The assistant prefill of one problem: ``template`` formatted with its metadata.
+
+    ``"{expression} ="`` gives ``"37 + 5 ="`` for the arithmetic task. The gold answer is
+    withheld (a prefill must not leak it).
+
+    Returns:
+        The prefix ("" when ``template`` is None or empty).
+
+    Raises:
+        TaskError: the template names a field the problem's metadata lacks, names ``gold``, or is
+            not a valid format string.
+    """
+    if not template:
+        return ""
+    fields = {k: v for k, v in metadata.items() if k != "gold"}
+    try:
+        return template.format(**fields)
+    except KeyError as exc:
+        raise TaskError(
+            f"data.response_prefix={template!r} uses {{{exc.args[0]}}}, which this task's problems do not "
+            f"provide (available: {', '.join(sorted(fields))}; the gold answer is never available)"
+        ) from None
+    except (ValueError, IndexError, AttributeError) as exc:
+        raise TaskError(f"data.response_prefix={template!r} is not a valid format string: {exc}") from None
+
+
+def render_prompt(
+    tokenizer: Any, problem_text: str, system_prompt: str | None, response_prefix: str = ""
+) -> tuple[str, list[int]]:
     """Render one problem with the tokenizer's chat template, ready for generation.
 
     Messages: an optional system message, then the user message ``problem_text``; rendered with
-    ``add_generation_prompt=True`` and tokenized without adding special tokens again (the
+    ``add_generation_prompt=True``, followed by ``response_prefix`` (an assistant prefill, see
+    :func:`render_response_prefix`), and tokenized without adding special tokens again (the
     template already holds them).
 
     Returns:
@@ -359,6 +399,7 @@ def render_prompt(tokenizer: Any, problem_text: str, system_prompt: str | None) 
         {"role": "user", "content": problem_text}
     ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text += response_prefix
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return text, list(ids)
 
@@ -404,8 +445,12 @@ class TrainPromptStream:
         n = self.task.num_train()
         epoch, pos = divmod(cursor, n)
         base = self.task.train_problem(self._order_for(epoch)[pos])
-        problem = Problem(base.text, base.gold, {**base.metadata, "epoch": epoch, "cursor": cursor})
-        text, ids = render_prompt(self.tokenizer, problem.text, self.data.system_prompt)
+        meta = {**base.metadata, "epoch": epoch, "cursor": cursor}
+        prefix = render_response_prefix(self.data.response_prefix, base.metadata)
+        if prefix:
+            meta["response_prefix"] = prefix
+        problem = Problem(base.text, base.gold, meta)
+        text, ids = render_prompt(self.tokenizer, problem.text, self.data.system_prompt, prefix)
         return Prompt(cursor=cursor, problem=problem, prompt_text=text, prompt_ids=ids)
 
     def iterate(self, start_cursor: int = 0) -> Iterator[Prompt]:

@@ -76,3 +76,25 @@ def test_failed_eval_is_reported_and_training_goes_on(tmp_path, tiny_model_dir, 
     assert "held-out evaluation failed" in capsys.readouterr().err
     [rec] = [r for r in read_metrics(ctl.run_dir) if "eval/eval_seconds" in r]
     assert rec["eval/failed"] == 1 and "eval/accuracy_sampled" not in rec
+
+
+def test_eval_modes_select_the_decoding_modes(tmp_path, tiny_model_dir):
+    ctl = _controller(tmp_path, tiny_model_dir)
+    ctl.cfg.monitoring.eval_modes = ["sampled"]
+    ctl.trainer_step = 4
+    asyncio.run(ctl._evaluate(None, None, assign_resources(ctl.cfg)))
+    ctl.logger.close()
+    [rec] = [r for r in read_metrics(ctl.run_dir) if "eval/eval_seconds" in r]
+    assert "eval/accuracy_sampled" in rec and "eval/accuracy_greedy" not in rec
+    saved = json.loads((ctl.run_dir / "eval" / "step-4.json").read_text())
+    assert [r["mode"] for r in saved["results"]] == ["sampled"]
+
+
+def test_eval_modes_are_validated():
+    from pydantic import ValidationError
+
+    from asyncrl.config import MonitoringConfig
+
+    for bad in ([], ["beam"]):
+        with pytest.raises(ValidationError, match="eval_modes"):
+            MonitoringConfig(eval_modes=bad)

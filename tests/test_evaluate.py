@@ -80,6 +80,24 @@ def test_scoring_counts_correct_answers(tiny):
     assert r.format_compliance == sum(s["format_ok"] for s in out) / 8
 
 
+def test_response_prefix_is_prompted_and_checked(tiny):
+    """With a prefill, the prompt ends with it and the answer is checked on prefix + generation."""
+    from asyncrl.rewards import check_answer
+
+    model, tok = tiny
+    problems = load_task(DataConfig()).heldout(4)
+    out: list = []
+    evaluate_problems(model, tok, problems, system_prompt=None, temperature=0.0, max_new_tokens=5,
+                      response_prefix="Answer: {expression} =", samples=out)
+    for p, s in zip(problems, out):
+        assert s["response"].startswith(f"Answer: {p.metadata['expression']} =")
+        assert s["correct"] == check_answer(s["response"], p.gold).correct
+    # The generation is conditioned on the prefill: it differs from the unprefixed run's.
+    plain: list = []
+    evaluate_problems(model, tok, problems, system_prompt=None, temperature=0.0, max_new_tokens=5, samples=plain)
+    assert [s["response"] for s in plain] != [s["response"] for s in out]
+
+
 def test_evaluate_problems_rejects_bad_arguments(tiny):
     model, tok = tiny
     p = load_task(DataConfig()).heldout(1)

@@ -174,6 +174,18 @@ def test_builtin_scorer_reports_correctness_and_format_separately():
     assert f.score("p", "Answer: 7", META).reward == 1.0
 
 
+def test_response_prefix_is_part_of_the_checked_response(user_module):
+    """The assistant prefill (``metadata["response_prefix"]``) is read as the start of the response."""
+    meta = {**META, "response_prefix": "Answer:"}
+    r = RewardScorer("math_verify").score("p", " -42", meta)
+    assert (r.reward, r.correct, r.format) == (1.0, 1.0, 1.0)
+    # Without the prefix the same generated text has no Answer: line.
+    assert RewardScorer("math_verify").score("p", " -42", META).format == 0.0
+    # User functions see the whole turn as well.
+    r = RewardScorer(f"{user_module}:length_bonus").score("p", "12", {**META, "response_prefix": "9 + 3 ="})
+    assert r.reward == pytest.approx(len("9 + 3 =12") / 10)
+
+
 def test_user_function(user_module):
     s = RewardScorer(f"{user_module}:length_bonus", format_reward_weight=1.0)
     r = s.score("p", "Answer: 12345", META)

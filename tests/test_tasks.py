@@ -247,3 +247,93 @@ def test_stream_over_a_file_task(tmp_path, tokenizer):
     texts = [s.get(c).problem.text for c in range(len(s))]
     assert len(set(texts)) == len(s) == s.task.num_train()
     assert all(not is_heldout(problem_hash(t)) for t in texts)
+
+
+# ------------------------------------------------------------------------------------------------
+# per-operand digits, held-out share, assistant prefill
+
+
+def test_per_operand_digits():
+    task = _arith(digits=[2, 1], operators="+", n_terms=2, num_train=300)
+    nums = [[int(t) for t in task.train_problem(i).metadata["expression"].split()[::2]] for i in range(300)]
+    assert all(0 <= a <= 99 and 0 <= b <= 9 for a, b in nums)
+    assert max(a for a, _ in nums) >= 50  # the first operand really has two digits
+    assert ArithmeticConfig(digits=3, n_terms=4).digits_per_term == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(digits=[2, 1, 1], n_terms=2), "has 3 entries but n_terms is 2"),
+        (dict(digits=[2, 0], n_terms=2), "between 1 and 9"),
+        (dict(digits=12), "between 1 and 9"),
+    ],
+)
+def test_bad_digits_are_clear_errors(kw, match):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=match):
+        ArithmeticConfig(**kw)
+
+
+def test_heldout_percent_sets_the_share_and_keeps_splits_disjoint():
+    cfg = ArithmeticConfig(digits=[2, 1], operators="+", n_terms=2)  # 1,000 problems
+    small = ArithmeticTask(cfg, 2000, 0)  # default 10%: ~100 held out
+    with pytest.raises(TaskError, match="raise data.heldout_percent"):
+        small.heldout(400)
+    big = ArithmeticTask(cfg, 2000, 0, heldout_percent=50)
+    held = {p.metadata["problem_hash"] for p in big.heldout(450)}
+    assert len(held) == 450
+    train = {big.train_problem(i).metadata["problem_hash"] for i in range(2000)}
+    assert not (train & held)
+    assert all(is_heldout(h, 50) for h in held) and not any(is_heldout(h, 50) for h in train)
+    # A larger share only moves problems from train to held out (nested hash buckets).
+    assert all(is_heldout(p.metadata["problem_hash"], 50) for p in small.heldout(60))
+    share = sum(is_heldout(problem_hash(f"{a} + {b}"), 50) for a in range(100) for b in range(100)) / 10_000
+    assert abs(share - 0.5) < 0.02
+    assert load_task(DataConfig(heldout_percent=30)).heldout_percent == 30
+
+
+def test_heldout_percent_bounds():
+    from pydantic import ValidationError
+
+    for bad in (0, 91):
+        with pytest.raises(ValidationError, match="heldout_percent"):
+            DataConfig(heldout_percent=bad)
+
+
+def test_file_task_uses_the_heldout_percent(tmp_path):
+    path = _write_jsonl(tmp_path / "g.jsonl", _rows(200))
+    ten, sixty = FileTask(path, "gsm8k"), FileTask(path, "gsm8k", heldout_percent=60)
+    assert 60 <= ten.num_train() - sixty.num_train() <= 140  # ~50% of 200 rows moved
+    held = sixty.heldout(200 - sixty.num_train())
+    assert all(is_heldout(p.metadata["problem_hash"], 60) for p in held)
+    with pytest.raises(TaskError, match="60% of rows"):
+        sixty.heldout(200 - sixty.num_train() + 1)
+
+
+def test_render_response_prefix():
+    from asyncrl.tasks import render_response_prefix
+
+    meta = {"expression": "82 + 2", "gold": "84", "task": "arithmetic"}
+    assert render_response_prefix("{expression} =", meta) == "82 + 2 ="
+    assert render_response_prefix(None, meta) == "" and render_response_prefix("", meta) == ""
+    with pytest.raises(TaskError, match="never available"):
+        render_response_prefix("The answer is {gold}", meta)  # would leak the answer
+    with pytest.raises(TaskError, match=r"uses \{nope\}.*available: expression, task"):
+        render_response_prefix("{nope}", meta)
+    with pytest.raises(TaskError, match="not a valid format string"):
+        render_response_prefix("{expression", meta)
+
+
+def test_stream_renders_the_prefix_after_the_generation_prompt(tokenizer):
+    data = DataConfig(num_train_prompts=5, response_prefix="{expression} =")
+    p = TrainPromptStream(data, tokenizer, seed=0).get(0)
+    expr = p.problem.metadata["expression"]
+    assert p.problem.metadata["response_prefix"] == f"{expr} ="
+    plain, _ = render_prompt(tokenizer, p.problem.text, data.system_prompt)
+    assert p.prompt_text == plain + f"{expr} =" and p.prompt_text.endswith("<|im_start|>assistant\n" + f"{expr} =")
+    assert p.prompt_ids == tokenizer(p.prompt_text, add_special_tokens=False)["input_ids"]
+    assert "response_prefix" not in TrainPromptStream(DataConfig(num_train_prompts=5), tokenizer).get(0).problem.metadata
+    with pytest.raises(TaskError, match="uses {missing}"):
+        TrainPromptStream(DataConfig(num_train_prompts=5, response_prefix="{missing}"), tokenizer).get(0)
