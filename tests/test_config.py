@@ -76,6 +76,13 @@ def test_main_job_config():
     assert cfg.rollout.partial_percent == 0.75
     assert cfg.rollout.max_budget < cfg.rollout.max_response_len
     assert cfg.buffer.max_staleness == 2
+    # The difficulty of docs/tasks.md: >= 400 distinct held-out problems for the evaluation.
+    from asyncrl.tasks import load_task
+
+    held = load_task(cfg.data).heldout(cfg.monitoring.eval_num_problems)
+    assert len({p.metadata["problem_hash"] for p in held}) == cfg.monitoring.eval_num_problems >= 400
+    assert cfg.data.arithmetic.digits_per_term == [2, 1] and cfg.data.response_prefix == "{expression} ="
+    assert cfg.monitoring.eval_modes == ["sampled"] and cfg.run.max_wall_seconds == 3600
 
 
 # ----------------------------------------------------------------------------------------------
