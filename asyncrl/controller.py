@@ -63,6 +63,7 @@ __all__ = [
     "Assignment",
     "assign_resources",
     "normalize_trainer_record",
+    "reconcile_groups",
     "parse_controller_flags",
     "resolve_run",
     "main",
@@ -321,6 +322,33 @@ class _TrainerTail:
 # buffer observation
 
 
+def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
+    """Check that every prompt group fed to the buffer is accounted for (no sample lost).
+
+    ``fed = trained + in the buffer + dropped``: ``fed`` is the feeder's dataset cursor (one
+    group per prompt), ``trained`` the groups acknowledged by the trainer and committed by a
+    checkpoint (deleted from Redis then), ``in the buffer`` every live group by state (pending,
+    generating, ready, batched, acked-not-yet-committed), ``dropped`` the groups dropped with a
+    reason. A crash rewind replays uncommitted groups; they stay live, so the identity holds
+    across restarts too.
+
+    Args:
+        stats: :meth:`buffers.ReplayBuffer.stats` output.
+
+    Returns:
+        ``(ok, text)``: whether the identity holds, and the numbers as one line.
+    """
+    fed = int(stats.get("dataset_cursor", 0))
+    trained = int(stats.get("counters", {}).get("committed_groups", 0))
+    by_state = {k: int(v) for k, v in stats.get("groups_by_state", {}).items() if int(v)}
+    live = sum(by_state.values())
+    dropped = sum(int(v) for v in stats.get("dropped_by_reason", {}).values())
+    ok = fed == trained + live + dropped
+    text = (f"fed {fed} = trained and committed {trained} + in the buffer {live} {by_state} + dropped {dropped}"
+            if ok else f"fed {fed} != trained and committed {trained} + in the buffer {live} {by_state} + dropped {dropped}")
+    return ok, text
+
+
 class _BufferWatcher:
     """Turns ``ReplayBuffer.stats()`` into controller metrics; tracks multi-version samples.
 
@@ -504,6 +532,8 @@ class Controller:
         self.blocking_stop = False
         self.trainer_step = 0
         self.last_eval_step: int | None = None
+        self.max_staleness_seen: int | None = None
+        self.final_checks: dict[str, Any] = {}
         self.eval_seconds_total = 0.0
         self.role_restarts = 0
         self.redis = None
@@ -539,6 +569,7 @@ class Controller:
         state = self._read_state()
         if self.prom is not None:
             state["controller_metrics_url"] = f"http://{self.cfg.monitoring.metrics_host}:{self.prom.port}/metrics"
+        state.update(self.final_checks)
         state.update(status=status, step=self.trainer_step, wall_seconds=round(self.clock.wall_seconds(), 3),
                      eval_seconds=round(self.eval_seconds_total + state.get("eval_seconds_before", 0.0), 3),
                      updated_unix=time.time())
@@ -747,6 +778,9 @@ class Controller:
         for role, raw in self.trainer_tail.read_new():
             step, metrics = normalize_trainer_record(raw)
             self.trainer_step = max(self.trainer_step, step)
+            if "staleness/max" in metrics:
+                seen = int(metrics["staleness/max"])
+                self.max_staleness_seen = seen if self.max_staleness_seen is None else max(self.max_staleness_seen, seen)
             rec = self.trainer_logger.log(step, metrics)
             self.logger.forward(rec)
             self.progress.update(rec)
@@ -889,6 +923,11 @@ class Controller:
             # a final evaluation when the run ends on its own (not after Ctrl-C/SIGTERM: exit promptly)
             if eval_on and self.last_eval_step != self.trainer_step and status != "failed" and not self.signals:
                 await self._evaluate(buf, None, assignment)
+            if watcher.last_stats:
+                ok, balance = reconcile_groups(watcher.last_stats)
+                self.final_checks = {"groups_reconcile": ok, "groups_balance": balance,
+                                     "max_staleness_seen": self.max_staleness_seen,
+                                     "max_staleness": self.cfg.buffer.max_staleness}
             self._write_state(status)
             self.progress.stop()
             self._summary(watcher, status)
@@ -918,12 +957,18 @@ class Controller:
     def _summary(self, watcher: _BufferWatcher, status: str) -> None:
         st = watcher.last_stats
         reason = self.stop_reason or "stopped"
+        ok, balance = reconcile_groups(st) if st else (False, "no buffer statistics")
+        eta = self.cfg.buffer.max_staleness
+        seen = self.max_staleness_seen
         lines = [
             f"asyncrl train: {status}: {reason}. step {self.trainer_step}/{self.cfg.run.total_steps}, "
             f"policy version {st.get('version')}, training wall time {self.clock.wall_seconds():.0f} s "
             f"(+{self.eval_seconds_total:.0f} s held-out evaluation)",
             f"  buffer: groups by state {st.get('groups_by_state')}, dropped by reason {st.get('dropped_by_reason')}, "
             f"multi-version samples {watcher.multi_version_samples}, role restarts {self.role_restarts}",
+            f"  groups {'reconcile' if ok else 'DO NOT reconcile'}: {balance}",
+            f"  max staleness seen in a train batch: {'—' if seen is None else seen} "
+            f"({'within' if seen is None or seen <= eta else 'ABOVE'} buffer.max_staleness = {eta})",
             f"  run directory {self.run_dir}: `asyncrl report {self.run_dir}`; continue with "
             f"`asyncrl train --resume {self.run_dir} --total_steps N`",
         ]

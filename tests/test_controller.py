@@ -172,3 +172,17 @@ def test_role_specs_wire_each_role(tmp_path):
     assert [s.stop_order for s in specs.values()] == [0, 1, 1, 2]
     ctl._prepare_run_dir()  # the resolved config on disk never holds the Redis password
     assert "redis_url: null" in (tmp_path / "tiny" / "config.yaml").read_text()
+
+
+def test_reconcile_groups_accounts_for_every_fed_group():
+    from asyncrl.controller import reconcile_groups
+
+    stats = {"dataset_cursor": 52, "counters": {"committed_groups": 30, "acked_groups": 36},
+             "groups_by_state": {"acked": 6, "ready": 8, "pending": 6, "generating": 0}, "dropped_by_reason": {"stale": 2}}
+    ok, text = reconcile_groups(stats)
+    assert ok and text.startswith("fed 52 = trained and committed 30 + in the buffer 20") and "dropped 2" in text
+    assert "'generating'" not in text  # empty states are left out
+    lost = dict(stats, dataset_cursor=53)  # one group fed that is nowhere: a lost sample
+    ok, text = reconcile_groups(lost)
+    assert not ok and text.startswith("fed 53 != ")
+    assert reconcile_groups({})[0]  # an empty buffer: nothing fed, nothing missing

@@ -69,6 +69,9 @@ def test_tiny_run_end_to_end_then_resume_and_sigterm(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, proc.stderr[-4000:] + logs
     state = json.loads((run_dir / "run_state.json").read_text())
     assert state["status"] == "finished" and state["step"] == 6, state
+    # no sample lost: fed = trained + in the buffer + dropped; the staleness bound held at every step
+    assert state["groups_reconcile"] is True and "groups reconcile: fed" in proc.stderr, state
+    assert 0 <= state["max_staleness_seen"] <= state["max_staleness"] == 2
     recs = read_metrics(run_dir)
     trainer = [r for r in recs if r["role"] == "trainer"]
     assert [r["step"] for r in trainer] == [1, 2, 3, 4, 5, 6]
@@ -134,6 +137,7 @@ def test_tiny_run_end_to_end_then_resume_and_sigterm(tmp_path, tiny_model_dir):
     assert "Received SIGINT" not in redis_log and redis_log.count("Received SIGTERM") == 2
     state = json.loads((run_dir / "run_state.json").read_text())
     assert state["status"] == "stopped" and state["sessions"] == 2 and state["step"] >= 8
+    assert state["groups_reconcile"] is True, state  # parked partials and all: nothing lost on Ctrl-C
     assert state["wall_seconds"] > session1_seconds * 0.3  # the training clock continued
     recs = read_metrics(run_dir)
     steps = [r["step"] for r in recs if r["role"] == "trainer"]
