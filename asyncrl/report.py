@@ -117,6 +117,10 @@ def _idle_keys(records: list[dict[str, Any]]) -> list[str]:
     return sorted({k for r in records for k in r if k.startswith("idle_ratio/")})
 
 
+#: The trainer's step phases (``time/<phase>_seconds`` in the step records).
+_PHASES = ("wait_batch", "forward_backward", "optim_step", "publish_weights", "checkpoint")
+
+
 def summarize(run: Run) -> dict[str, Any]:
     """Headline numbers of a run (None where the run did not log the metric)."""
     recs = run.records
@@ -155,6 +159,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "max_staleness_bound": (run.config.get("buffer") or {}).get("max_staleness"),
         "partial_ratio_mean": _mean(partial),
         "idle_ratios": {k.split("/", 1)[1]: _mean(series(recs, k)[1]) for k in _idle_keys(recs)},
+        "seconds_per_step": (wall / steps) if steps else None,
+        "phase_seconds": {ph: _mean(series(recs, f"time/{ph}_seconds")[1]) for ph in _PHASES
+                          if series(recs, f"time/{ph}_seconds")[1]},
         "drops": _last(recs, "buffer/drops"),
         "restarts": _last(recs, "buffer/restarts"),
         "role_restarts": _last(recs, "supervisor/restarts"),
@@ -196,6 +203,9 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
         ("held-out accuracy, final greedy", [_fmt(s["accuracy_greedy_final"]) for s in sums]),
         ("held-out problems per eval", [_fmt(s["eval_num_problems"]) for s in sums]),
         ("train reward, last batch", [_fmt(s["reward_final"]) for s in sums]),
+        ("training wall seconds per step (mean)", [_fmt(s["seconds_per_step"], ".1f") for s in sums]),
+        ("trainer phases, mean seconds per step", [
+            ", ".join(f"{k} {_fmt(v, '.1f')}" for k, v in s["phase_seconds"].items()) or "—" for s in sums]),
         ("rollout tokens/s (mean)", [_fmt(s["tokens_per_second_mean"], ".1f") for s in sums]),
         ("max staleness seen / bound", [f"{_fmt(s['staleness_max'])} / {_fmt(s['max_staleness_bound'])}" for s in sums]),
         ("partial ratio (mean)", [_fmt(s["partial_ratio_mean"], ".2f") for s in sums]),

@@ -74,6 +74,8 @@ def test_summary_numbers(tmp_path):
     assert s["idle_ratios"] == {"trainer": pytest.approx(0.3), "rollout-0": pytest.approx(0.1),
                                 "rollout-1": pytest.approx(0.1)}
     assert s["drops"] == 1 and s["restarts"] == 3 and s["eval_seconds"] == 800
+    assert s["seconds_per_step"] == pytest.approx((40 * 30 + 2) / 40)
+    assert s["phase_seconds"] == {"forward_backward": pytest.approx(10.0)}  # phases never logged are left out
     assert time_to_reach(run, 0.3) == pytest.approx(20 * 30 + 2)
     assert time_to_reach(run, 0.9) is None
 
