@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,7 +161,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "partial_ratio_mean": _mean(partial),
         "idle_ratios": {k.split("/", 1)[1]: _mean(series(recs, k)[1]) for k in _idle_keys(recs)},
         "seconds_per_step": (wall / steps) if steps else None,
-        "phase_seconds": {ph: _mean(series(recs, f"time/{ph}_seconds")[1]) for ph in _PHASES
+        # medians: a step that an evaluation paused (SIGSTOP) counts the pause in its phase
+        "phase_seconds": {ph: statistics.median(series(recs, f"time/{ph}_seconds")[1]) for ph in _PHASES
                           if series(recs, f"time/{ph}_seconds")[1]},
         "drops": _last(recs, "buffer/drops"),
         "restarts": _last(recs, "buffer/restarts"),
@@ -204,7 +206,7 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
         ("held-out problems per eval", [_fmt(s["eval_num_problems"]) for s in sums]),
         ("train reward, last batch", [_fmt(s["reward_final"]) for s in sums]),
         ("training wall seconds per step (mean)", [_fmt(s["seconds_per_step"], ".1f") for s in sums]),
-        ("trainer phases, mean seconds per step", [
+        ("trainer phases, median seconds (steps where the phase ran)", [
             ", ".join(f"{k} {_fmt(v, '.1f')}" for k, v in s["phase_seconds"].items()) or "—" for s in sums]),
         ("rollout tokens/s (mean)", [_fmt(s["tokens_per_second_mean"], ".1f") for s in sums]),
         ("max staleness seen / bound", [f"{_fmt(s['staleness_max'])} / {_fmt(s['max_staleness_bound'])}" for s in sums]),
