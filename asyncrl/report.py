@@ -227,7 +227,9 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
         line = (f"Wall time to reach {runs[1].name}'s best held-out accuracy ({target:.3f}): "
                 f"{runs[0].name} {when(ta)}, {runs[1].name} {when(tb)}")
         if ta and tb:
-            line += f"; {runs[0].name} gets there {tb / ta:.2f}× sooner"
+            ratio = tb / ta
+            line += (f"; {runs[0].name} gets there {ratio:.2f}× sooner" if ratio >= 1 else
+                     f"; {runs[0].name} takes {ta / tb:.2f}× as long (speed-up {ratio:.2f}×)")
         lines += ["", line + "."]
     text = "\n".join(lines) + "\n"
     Path(path).write_text(text)

@@ -102,6 +102,10 @@ def test_compare_two_runs(tmp_path):
     assert "| | async | sync |" in md
     # sync's best (0.5) is reached at 40*30/1.5+2 = 802 s by async, 1202 s by sync: 1.50x
     assert "async 13.4 min, sync 20.0 min; async gets there 1.50× sooner" in md
+    # the other way round: the first run is the slower one
+    assert main([str(slow), "--compare", str(fast), "--out", str(tmp_path / "rev")]) == 0
+    md = (tmp_path / "rev" / "report-compare.md").read_text()
+    assert "sync 20.0 min, async 13.4 min; sync takes 1.50× as long (speed-up 0.67×)" in md
     assert _png_size(out / "report-compare.png")[0] > 1000
 
 
