@@ -957,7 +957,8 @@ class Controller:
     def _summary(self, watcher: _BufferWatcher, status: str) -> None:
         st = watcher.last_stats
         reason = self.stop_reason or "stopped"
-        ok, balance = reconcile_groups(st) if st else (False, "no buffer statistics")
+        checks = self.final_checks
+        ok, balance = checks.get("groups_reconcile", False), checks.get("groups_balance", "no buffer statistics")
         eta = self.cfg.buffer.max_staleness
         seen = self.max_staleness_seen
         lines = [
