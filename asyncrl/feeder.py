@@ -23,6 +23,8 @@ import signal
 import sys
 from typing import Any
 
+from asyncrl.aio import wait_event
+
 __all__ = ["Feeder", "FeederError", "group_id_for", "main"]
 
 
@@ -101,10 +103,7 @@ class Feeder:
         while not stop.is_set():
             fed = await self.feed_once()
             if not fed:
-                try:
-                    await asyncio.wait_for(stop.wait(), poll_seconds)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(stop, poll_seconds)  # not wait_for: see asyncrl.aio
 
 
 async def _run(cfg: Any) -> int:

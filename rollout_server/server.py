@@ -42,6 +42,7 @@ from typing import Any
 
 from aiohttp import web
 
+from asyncrl.aio import wait_event
 from rollout_server.engine import Engine, EngineSample, PromptGroup
 from rollout_server.sampling import RequestError, SamplingParams
 
@@ -374,9 +375,7 @@ class RolloutHTTPServer:
             return await self._stream(request, samples, waiter)
         try:
             while not all(s.published[1] is not None for s in samples):
-                try:
-                    await asyncio.wait_for(waiter.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
+                if not await wait_event(waiter, 1.0):  # not wait_for: see asyncrl.aio
                     if request.transport is None or request.transport.is_closing():
                         self._abort_samples(samples)  # client went away: abort (SGLang does too)
                         raise asyncio.CancelledError()
@@ -758,9 +757,7 @@ class RolloutHTTPServer:
             if left <= 0:
                 self.engine.abort(s.rid)
                 return web.Response(status=503)
-            try:
-                await asyncio.wait_for(s.waiter.wait(), timeout=left)
-            except asyncio.TimeoutError:
+            if not await wait_event(s.waiter, left):
                 continue
             s.waiter.clear()
         return web.Response(status=200)

@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from asyncrl.aio import cancel_and_wait, wait_event
 from asyncrl.types import SampleStatus, WeightAnnouncement, WorkItem, WorkKind
 from buffers.errors import LeaseLost, UnknownItem, VersionAhead
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -224,6 +225,7 @@ class RolloutWorker:
         self._announced = asyncio.Event()
         self._update_lock = asyncio.Lock()
         self._draining = False
+        self._stopping = False
         self._resync = False
         self._engine_lost = False
         self._fatal: BaseException | None = None
@@ -257,9 +259,8 @@ class RolloutWorker:
             try:
                 await self.drain()
             finally:
-                for t in helpers:
-                    t.cancel()
-                await asyncio.gather(*helpers, return_exceptions=True)
+                self._stopping = True  # the helpers' loops end even if a cancellation is swallowed
+                await cancel_and_wait(helpers)
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -595,7 +596,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ leases
     async def _heartbeat(self) -> None:
         period = max(0.05, self.settings.lease_seconds / 3.0)
-        while True:
+        while not self._stopping:
             await asyncio.sleep(period)
             actives = [a for a in self._active.values() if not a.lost]
             if not actives:
@@ -620,7 +621,7 @@ class RolloutWorker:
         return ann.lineage > self.lineage or (ann.lineage == self.lineage and ann.version > self.version)
 
     async def _subscribe(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 async for _ann in self.buffer.clock.subscribe():
                     self._announced.set()
@@ -631,11 +632,12 @@ class RolloutWorker:
             await asyncio.sleep(1.0)
 
     async def _watch_versions(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._announced.wait(), self.opts.version_poll_seconds)
+        while not self._stopping:
+            # not asyncio.wait_for: on Python < 3.12 it can swallow the cancellation that ends
+            # this loop at shutdown (asyncrl.aio explains)
+            await wait_event(self._announced, self.opts.version_poll_seconds)
             self._announced.clear()
-            if self._draining or self._engine_lost or _now() < self._retry_after:
+            if self._stopping or self._draining or self._engine_lost or _now() < self._retry_after:
                 continue
             try:
                 ann = await self.buffer.clock.latest()

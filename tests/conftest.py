@@ -17,6 +17,27 @@ sys.path.insert(0, str(REPO))
 # Keep each test process small on the 2-core machine; engines set their own threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _dump_asyncio_tasks(signum, frame) -> None:  # pragma: no cover - a debugging aid
+    """``kill -USR1 <pytest pid>``: print every pending asyncio task's stack to stderr.
+
+    pytest-timeout's dump shows threads only; a hung async test is a task awaiting something,
+    and this shows which.
+    """
+    import asyncio.tasks
+
+    for task in list(asyncio.tasks._all_tasks):
+        if not task.done():
+            print(f"--- asyncio task {task.get_name()}", file=sys.stderr)
+            task.print_stack(limit=40, file=sys.stderr)
+    sys.stderr.flush()
+
+
+if hasattr(__import__("signal"), "SIGUSR1"):
+    import signal
+
+    signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
