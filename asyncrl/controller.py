@@ -438,6 +438,14 @@ def _role_kind(name: str) -> str:
     return "rollout" if name.startswith("rollout") else ("trainer" if name == "trainer" else "controller")
 
 
+#: Buffer sample statuses -> ``asyncrl_buffer_samples{state}`` labels (asyncrl.metrics.SAMPLE_STATES).
+_SAMPLE_STATE_LABEL = {"pending": "queued", "running": "generating", "partial": "partial", "complete": "scoring",
+                       "scored": "complete", "failed": "failed"}
+#: Buffer group states -> ``asyncrl_buffer_groups{state}`` labels (asyncrl.metrics.GROUP_STATES); fed
+#: groups not yet admitted (``pending``) are not a group state there.
+_GROUP_STATE_LABEL = {"generating": "in_flight", "ready": "ready", "batched": "claimed", "acked": "acknowledged"}
+
+
 class _PrometheusExport:
     """The controller's ``/metrics`` (``monitoring.controller_metrics_port``): :class:`ControllerMetrics`
     and the buffer state gauges of :class:`BufferMetrics` (only the poller sets those)."""
@@ -489,10 +497,17 @@ class _PrometheusExport:
 
     def update(self, stats: dict[str, Any], trainer_step: int, running: list[str]) -> None:
         self._export_counters(stats)
+        samples: dict[str, int] = {}
         for state, n in stats.get("samples_by_state", {}).items():
-            self.buf.samples.labels(state).set(n)
+            if state in _SAMPLE_STATE_LABEL:
+                label = _SAMPLE_STATE_LABEL[state]
+                samples[label] = samples.get(label, 0) + int(n)
+        groups: dict[str, int] = {}
         for state, n in stats.get("groups_by_state", {}).items():
-            self.buf.groups.labels(state).set(n)
+            if state in _GROUP_STATE_LABEL:
+                label = _GROUP_STATE_LABEL[state]
+                groups[label] = groups.get(label, 0) + int(n)
+        self.buf.set_state(samples=samples, groups=groups)
         self.buf.policy_version.set(stats.get("version", 0))
         self.buf.lineage.set(stats.get("lineage", 0))
         cursor = int(stats.get("dataset_cursor", 0))

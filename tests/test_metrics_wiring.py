@@ -91,7 +91,8 @@ def test_controller_exports_buffer_counters_by_their_increase():
     try:
         reg = export.registry
         stats = {"version": 3, "lineage": 1, "dataset_cursor": 8, "admitted_groups": 6,
-                 "samples_by_state": {"partial": 2}, "groups_by_state": {"ready": 1},
+                 "samples_by_state": {"partial": 2, "running": 3, "pending": 4, "complete": 1, "scored": 6},
+                 "groups_by_state": {"ready": 1, "generating": 5, "batched": 2, "acked": 3, "pending": 9},
                  "counters": {"dropped_groups:stale_resume": 1, "restarted_groups:stale_batch": 2,
                               "restarted_samples:stale_batch": 8, "reclaimed_leases": 3,
                               "restarted_samples:abandoned_version": 4, "parked_budget": 10,
@@ -104,6 +105,13 @@ def test_controller_exports_buffer_counters_by_their_increase():
         assert _value(reg, "asyncrl_buffer_work_reclaimed_total") == 3
         assert _value(reg, "asyncrl_buffer_groups_admitted_total") == 6
         assert _value(reg, "asyncrl_buffer_policy_version") == 3
+        # the buffer's own state names are exported under the catalogue's labels (docs/metrics.md)
+        for state, n in {"in_flight": 5, "ready": 1, "claimed": 2, "acknowledged": 3}.items():
+            assert _value(reg, f'asyncrl_buffer_groups{{state="{state}"}}') == n
+        for state, n in {"queued": 4, "generating": 3, "partial": 2, "scoring": 1, "complete": 6, "failed": 0}.items():
+            assert _value(reg, f'asyncrl_buffer_samples{{state="{state}"}}') == n
+        group_lines = [ln for ln in M.exposition(reg)[0].decode().splitlines() if ln.startswith("asyncrl_buffer_groups{")]
+        assert len(group_lines) == 4 and not any('"generating"' in ln or '"pending"' in ln for ln in group_lines)
         # an unknown buffer reason code is not exported under a made-up label
         assert "some_future_code" not in M.exposition(reg)[0].decode()
 
