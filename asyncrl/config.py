@@ -155,7 +155,7 @@ class RolloutConfig(_Section):
     n_samples_per_prompt: int = Field(8, ge=1, le=1024)
     """Samples per prompt group (GRPO needs at least 2)."""
     rollout_batch_size: int = Field(16, ge=1)
-    """R: prompt groups per rollout batch; the cap on groups in flight."""
+    """R: prompt groups per rollout batch; the cap on groups being generated (READY groups do not count)."""
     partial_percent: float = Field(1.0, gt=0.0, le=1.0)
     """p: the train batch is B = ceil(p*R) READY groups; the trainer does not wait for the rest."""
     max_budget: int = Field(1024, ge=1)

@@ -14,8 +14,9 @@ Design choices (and simplifications):
   (unscored complete → resumable partials by oldest version → fresh → budget-parked when idle).
 * Appends are exactly-once: each chunk carries the offset it starts at.
 * One trainer consumer (rank 0): at most one batch is open (handed out, not acknowledged).
-* Admission control (AReaL eq. 3) runs inside feed/claim/acknowledge: at most R groups in
-  flight and ``admitted < (eta + v + 1) * B * batches_per_version``.
+* Admission control (AReaL eq. 3) runs inside feed/claim/score/acknowledge: at most R groups
+  being generated (READY groups do not count, as AReaL counts running rollouts only) and
+  ``admitted < (eta + v + 1) * B * batches_per_version``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class BufferSettings:
     """The knobs the buffer enforces (ARCHITECTURE §3); stored with the run on first open.
 
     Args:
-        rollout_batch_size: R, cap on groups in flight (admitted, not yet in a train batch).
+        rollout_batch_size: R, cap on groups being generated (admitted, not yet READY).
         train_batch_groups: B = ceil(p * R), groups per train batch.
         n_samples_per_prompt: n, samples per group (default of :class:`PromptGroup`).
         max_budget_tokens: M, new tokens per sample per policy version.

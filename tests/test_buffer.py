@@ -179,6 +179,56 @@ async def test_admission_R_cap_and_areal_bound(redis_url):
     await buf.close()
 
 
+async def test_ready_groups_do_not_hold_a_rollout_slot(redis_url):
+    """R caps the groups being generated (AReaL counts running rollouts only): a group that
+    becomes READY frees its slot at once, and the staleness bound alone caps how many READY
+    groups wait for the trainer."""
+    # R = 2, B = 1, eta = 2: the AReaL bound admits (2 + 0 + 1) * 1 = 3 groups at v = 0
+    buf = await open_buf(redis_url, rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=1,
+                         max_staleness=2)
+    await feed(buf, 6)
+    st = await buf.stats()
+    assert st["admitted_groups"] == 2 and st["groups_by_state"]["generating"] == 2
+    it0, it1 = await buf.claim("w", 2)
+    await gen(buf, it0, 2, 0, "stop")
+    assert await buf.score(it0, reward=1.0) == GroupState.READY
+    st = await buf.stats()  # scoring g0 admitted g2 in the same script: 2 generating + 1 READY
+    assert st["admitted_groups"] == 3 and st["groups_by_state"] == {"generating": 2, "ready": 1, "pending": 3}
+    for it in [it1, *await buf.claim("w", 4)]:
+        await gen(buf, it, 2, 0, "stop")
+        await buf.score(it, reward=0.0)
+    st = await buf.stats()  # three READY groups, none generating: the staleness bound holds the rest
+    assert st["admitted_groups"] == 3 and st["groups_by_state"] == {"ready": 3, "pending": 3}
+    assert await buf.claim("w", 4) == []
+    b = await buf.next_batch(1)  # the trainer takes one and publishes v1: one more admission
+    await buf.acknowledge(b, 1)
+    await buf.clock.publish(1, "file:///w/1", "c1")
+    await buf.claim("w", 1)
+    assert (await buf.stats())["admitted_groups"] == 4
+    await buf.close()
+
+
+async def test_synchronous_settings_still_admit_one_rollout_batch_per_version(redis_url):
+    """p = 1, eta = 0: READY groups no longer hold slots, yet the staleness bound admits exactly
+    R groups per version, so the next rollout batch starts only after the trainer's update."""
+    buf = await open_buf(redis_url, rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=1,
+                         max_staleness=0)
+    await feed(buf, 5)
+    for it in await buf.claim("w", 4):
+        await gen(buf, it, 2, 0, "stop")
+        await buf.score(it, reward=1.0)
+    st = await buf.stats()
+    assert st["admitted_groups"] == 2 and st["groups_by_state"] == {"ready": 2, "pending": 3}
+    assert await buf.claim("w", 4) == []
+    b = await buf.next_batch(1)
+    assert b.group_ids == ["g0", "g1"]
+    await buf.acknowledge(b, 1)
+    assert (await buf.stats())["admitted_groups"] == 2  # still version 0: nothing more
+    await buf.clock.publish(1, "file:///w/1", "c1")
+    assert len(await buf.claim("w", 4)) == 2 and (await buf.stats())["admitted_groups"] == 4
+    await buf.close()
+
+
 # ---------------------------------------------------------------------------------- claim / append / segments
 
 

@@ -41,6 +41,7 @@ local function one(sid, token, kind, value, advk, adv)
       redis.call('HSET', gk, 'state', 'ready', 'ready_ms', NOW)
       redis.call('ZADD', k('ready'), tonumber(g[4]), f[3])
       stat('ready_groups')
+      admit()  -- a READY group no longer holds a rollout slot: admit the next one now
       return 'ready'
     end
     drop_group(f[3], 'reward_error')

@@ -13,6 +13,12 @@ local FINISH_CODE = {stop = 1, length = 2, abort = 3, budget = 4, lease = 5}
 local function skey(sid) return k('sample:' .. sid) end
 local function gkey(gid) return k('group:' .. gid) end
 
+-- Groups being generated: admitted, not READY (READY groups wait for the trainer and do not
+-- hold a rollout slot; groups of a recovered batch wait in `replay`, READY too).
+local function generating_groups()
+  return redis.call('ZCARD', k('inflight')) - redis.call('ZCARD', k('ready')) - redis.call('LLEN', k('replay'))
+end
+
 -- Admission control (AReaL eq. 3 / staleness_manager): admit the next pending group only while
 -- fewer than R groups are in flight and admitted < (ETA + v + 1) * B * BPV.
 local function admit()
@@ -20,7 +26,7 @@ local function admit()
   local admitted = tonumber(redis.call('GET', k('admitted')) or '0')
   local limit = (ETA + v + 1) * B * BPV
   local count = 0
-  while admitted < limit and redis.call('ZCARD', k('inflight')) < R do
+  while admitted < limit and generating_groups() < R do
     local gid = redis.call('LPOP', k('pending'))
     if not gid then break end
     local gk = gkey(gid)
