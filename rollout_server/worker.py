@@ -167,6 +167,8 @@ class WorkerStats:
     engine_errors: int = 0
     weight_updates: int = 0
     weight_update_errors: int = 0
+    #: segments that found the clock ahead of the engine at claim time and loaded the weights first
+    caught_up: int = 0
     drained: list[str] = field(default_factory=list)
 
 
@@ -449,6 +451,12 @@ class RolloutWorker:
             await self.buffer.end_segment(item, "abort")
             self._note_parked("shutdown")
             return None
+        if (self.version is not None and item.lineage == self.lineage and item.clock_version > self.version
+                and self.opts.transport != "nccl"):
+            # The clock moved after the engine's last load and this worker has not noticed yet
+            # (it polls and subscribes): load the new weights before generating, rather than
+            # produce tokens the staleness bound may reject (with max_staleness 0, every one).
+            await self._catch_up()
         if item.response_ids and self.metrics is not None:
             self.metrics.resumed()
         response = list(item.response_ids)
@@ -534,6 +542,14 @@ class RolloutWorker:
         if status == SampleStatus.PENDING:
             self._first_claim.pop(item.sample_id, None)
         return status
+
+    async def _catch_up(self) -> None:
+        """Load the announced weights now if they are newer than the engine's (see :meth:`generate`)."""
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+            ann = await self.buffer.clock.latest()
+            if self._is_new(ann) and not self._draining:
+                self.stats.caught_up += 1
+                await self._update_weights(ann)
 
     async def _end(self, item: WorkItem, reason: str, ids: list[int], lps: list[float],
                    vers: list[int]) -> SampleStatus | None:

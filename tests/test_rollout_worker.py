@@ -186,6 +186,37 @@ async def test_budget_parking_and_resume_across_versions_on_another_server(redis
             await wb.client.close()
 
 
+async def test_work_claimed_after_a_publish_the_worker_missed_is_generated_with_the_new_weights(
+        redis_url, server_b, models, tokenizer, tmp_path):
+    """Synchronous settings (max_staleness 0): v1 is published and the next rollout batch
+    admitted before the worker's watcher notices. The claimed item carries the clock (v1), so
+    the worker loads v1 before generating; otherwise every token would be v0 and the group
+    would be restarted as stale at batch time (seen in benchmark (b) with R = 16)."""
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, rollout_batch_size=1, max_staleness=0,
+                         max_budget_tokens=6, max_response_len=6)
+    async with await ReplayBuffer.open(redis_url, "catchup", settings) as buf:
+        w = _worker(buf, server_b.url, tokenizer, "w-catchup", extra_sampling_params={"ignore_eos": True})
+        try:
+            assert await w.sync_weights(initial=True) is False and w.version == 0  # engine at v0, no watcher
+            path, sha = _publish_weights(tmp_path / "weights", 1, models["dir1"])
+            await buf.clock.publish(1, str(path), sha)
+            prompt = _prompt(tokenizer, "the next batch")
+            await _feed(buf, [PromptGroup("g0", prompt, {}, 1)])
+            [item] = await buf.claim("w-catchup", 1)
+            assert item.clock_version == 1 and w.version == 0
+            assert await w.process(item) == SampleStatus.COMPLETE  # then scored
+            assert w.stats.caught_up == 1 and w.stats.weight_updates == 1 and w.version == 1
+            s = await buf.get_sample("g0/0")
+            assert s.status == SampleStatus.SCORED and s.versions == [1] * 6
+            ref1 = recompute_logprobs(models["lm1"], prompt, s.response_ids, TEMPERATURE)
+            assert max(abs(a - b) for a, b in zip(ref1, s.behaviour_logprobs)) < 1e-4
+            batch = await buf.next_batch(1)
+            assert batch is not None and batch.groups[0].staleness == 0
+        finally:
+            await w.client.update_weights_from_disk(str(models["dir0"]), weight_version="0")
+            await w.client.close()
+
+
 @pytest.mark.parametrize("pause_mode", ["abort", "in_place"])
 async def test_weight_update_mid_stream(redis_url, server_b, models, tokenizer, tmp_path, pause_mode):
     """A version published while a sample streams: ``abort`` ends the segment at the update
