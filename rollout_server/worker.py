@@ -547,7 +547,7 @@ class RolloutWorker:
         """Load the announced weights now if they are newer than the engine's (see :meth:`generate`)."""
         with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
             ann = await self.buffer.clock.latest()
-            if self._is_new(ann) and not self._draining:
+            if self._is_new(ann) and not self._draining and _now() >= self._retry_after:  # a failed load waits
                 self.stats.caught_up += 1
                 await self._update_weights(ann)
 
