@@ -39,7 +39,9 @@ recomputed), to show what that costs on a CPU.
 
 The figure: completed tokens per second delivered to the trainer (tokens of the samples in the
 batches it took), over ``--duration_seconds`` of wall time after a warm-up, for each mode, and
-the ratio to ``sync`` (target >= 1.5).
+the ratio to ``sync`` (target >= 1.5). Each mode also reports the engine's own generation
+rate and how many requests were running on it on average (``/v1/loads`` every 0.25 s): the
+straggler tail of a synchronous batch shows up as few running requests.
 
 Run: ``python bench/rollout_partial_bench.py [--model smollm2-135m-instruct]
 [--duration_seconds 600] [--inflight 16] [--verbose] [--json out.json]``.
@@ -170,8 +172,22 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
                 print(f"[{time.monotonic() - t_start:6.1f}s] {mode}: step {step}, {result['batches']} batches, "
                       f"{result['tokens']} tokens counted", flush=True)
 
+    occupancy: list[int] = []
+
+    async def sample_occupancy(t_start: float) -> None:
+        """Requests running on the engine (``/v1/loads`` num_running_reqs), every 0.25 s after warm-up."""
+        while not stop.is_set():
+            await asyncio.sleep(0.25)
+            if time.monotonic() - t_start >= a.warmup_seconds:
+                try:
+                    loads = await client.loads()
+                    occupancy.append(int(loads["num_running_reqs"]))
+                except Exception:  # a missed sample is not a measurement error
+                    pass
+
     t0 = time.monotonic()
-    tasks = [asyncio.create_task(feeder()), asyncio.create_task(trainer(t0))]
+    tasks = [asyncio.create_task(feeder()), asyncio.create_task(trainer(t0)),
+             asyncio.create_task(sample_occupancy(t0))]
     wtask = asyncio.create_task(worker.run(stop))
     done, _ = await asyncio.wait([*tasks, wtask], timeout=a.warmup_seconds + a.duration_seconds,
                                  return_when=asyncio.FIRST_COMPLETED)
@@ -192,6 +208,7 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
         "engine_tokens_per_second": stats.generated_tokens / (time.monotonic() - t0),
         "weight_updates": stats.weight_updates, "segments": stats.segments,
         "parked_budget": stats.parked_budget, "parked_abort": stats.parked_abort,
+        "mean_running_requests": (sum(occupancy) / len(occupancy)) if occupancy else 0.0,
         "mean_staleness": (sum(result["staleness"]) / len(result["staleness"])) if result["staleness"] else 0.0,
     })
     buf_stats = await buf.stats()
@@ -277,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:13s} pause={r['pause_mode']:8s} B={r['train_batch_groups']} M={r['max_budget']} eta={r['max_staleness']}: "
                   f"{r['batches']} batches, {r['samples']} samples, {r['tokens']} tokens -> "
                   f"{r['tokens_per_second']:.1f} tok/s to the trainer (engine {r['engine_tokens_per_second']:.1f} tok/s, "
-                  f"mean staleness {r['mean_staleness']:.2f}, {r['weight_updates']} weight updates, "
+                  f"mean staleness {r['mean_staleness']:.2f}, {r['mean_running_requests']:.1f} requests running on average, "
+                  f"{r['weight_updates']} weight updates, "
                   f"dropped {r['dropped_by_reason']}, restarted {r['restarted_by_reason']})", flush=True)
     finally:
         for srv in servers:
