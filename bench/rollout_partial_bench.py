@@ -173,6 +173,7 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
                       f"{result['tokens']} tokens counted", flush=True)
 
     occupancy: list[int] = []
+    occupancy_missed = [0]
 
     async def sample_occupancy(t_start: float) -> None:
         """Requests running on the engine (``/v1/loads`` num_running_reqs), every 0.25 s after warm-up."""
@@ -181,9 +182,10 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
             if time.monotonic() - t_start >= a.warmup_seconds:
                 try:
                     loads = await client.loads()
-                    occupancy.append(int(loads["num_running_reqs"]))
-                except Exception:  # a missed sample is not a measurement error
-                    pass
+                except Exception:  # a busy engine may not answer in time: counted, reported
+                    occupancy_missed[0] += 1
+                    continue
+                occupancy.append(int(loads["num_running_reqs"]))
 
     t0 = time.monotonic()
     tasks = [asyncio.create_task(feeder()), asyncio.create_task(trainer(t0)),
@@ -209,6 +211,7 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
         "weight_updates": stats.weight_updates, "segments": stats.segments,
         "parked_budget": stats.parked_budget, "parked_abort": stats.parked_abort,
         "mean_running_requests": (sum(occupancy) / len(occupancy)) if occupancy else 0.0,
+        "running_requests_samples": len(occupancy), "running_requests_samples_missed": occupancy_missed[0],
         "mean_staleness": (sum(result["staleness"]) / len(result["staleness"])) if result["staleness"] else 0.0,
     })
     buf_stats = await buf.stats()
@@ -294,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:13s} pause={r['pause_mode']:8s} B={r['train_batch_groups']} M={r['max_budget']} eta={r['max_staleness']}: "
                   f"{r['batches']} batches, {r['samples']} samples, {r['tokens']} tokens -> "
                   f"{r['tokens_per_second']:.1f} tok/s to the trainer (engine {r['engine_tokens_per_second']:.1f} tok/s, "
-                  f"mean staleness {r['mean_staleness']:.2f}, {r['mean_running_requests']:.1f} requests running on average, "
+                  f"mean staleness {r['mean_staleness']:.2f}, {r['mean_running_requests']:.1f} requests running on average "
+                  f"({r['running_requests_samples']} samples, {r['running_requests_samples_missed']} missed), "
                   f"{r['weight_updates']} weight updates, "
                   f"dropped {r['dropped_by_reason']}, restarted {r['restarted_by_reason']})", flush=True)
     finally:

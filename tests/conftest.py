@@ -6,6 +6,7 @@ Everything here starts real components (never mocks); see DEVELOPERS.md.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -34,9 +35,7 @@ def _dump_asyncio_tasks(signum, frame) -> None:  # pragma: no cover - a debuggin
     sys.stderr.flush()
 
 
-if hasattr(__import__("signal"), "SIGUSR1"):
-    import signal
-
+if hasattr(signal, "SIGUSR1"):
     signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

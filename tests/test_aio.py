@@ -8,6 +8,7 @@ documents it where it still happens); :func:`asyncrl.aio.wait_event` never does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 
 import pytest
@@ -27,10 +28,8 @@ def _poller(event: asyncio.Event, wait) -> asyncio.Task:
 
 
 async def _wait_for(event: asyncio.Event) -> None:
-    try:
+    with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), 0.1)
-    except asyncio.TimeoutError:
-        pass
 
 
 async def _set_and_cancel_in_one_tick(task: asyncio.Task, event: asyncio.Event) -> bool:
@@ -94,10 +93,8 @@ async def test_cancel_and_wait_gives_up_after_its_timeout_and_names_the_task(cap
 
     async def immortal() -> None:
         while alive[0]:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):  # ignores every cancellation while alive
                 await asyncio.sleep(10)
-            except asyncio.CancelledError:
-                pass
 
     t = asyncio.create_task(immortal(), name="immortal")
     await asyncio.sleep(0.01)
