@@ -99,7 +99,9 @@ def test_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, tiny_
 
 def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "tiny"
-    proc = _start(tmp_path, tiny_model_dir, total_steps=8)
+    # 12 steps, killed after step 4: the kill must land mid-run. A kill between the final
+    # checkpoint and its step record would lose that record (docs/trainer.md, known gap).
+    proc = _start(tmp_path, tiny_model_dir, total_steps=12)
     try:
         _wait(lambda: _trainer_step(run_dir) >= 4, proc, 300, "step 4")
         trainer = _pid_of(run_dir, " trainer ")
@@ -110,13 +112,13 @@ def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_pa
     assert proc.returncode == 0, err[-4000:]
     assert "role 'trainer' was killed by SIGKILL; restarted (restart 1). Last log lines:" in err
     state = json.loads((run_dir / "run_state.json").read_text())
-    assert state["status"] == "finished" and state["step"] == 8
+    assert state["status"] == "finished" and state["step"] == 12
     recs = read_metrics(run_dir)
     steps = [r["step"] for r in recs if r["role"] == "trainer"]
-    # checkpoint_interval 3: the restarted trainer continues after the checkpoint of step 3 (or 6)
+    # checkpoint_interval 3: the restarted trainer continues after the checkpoint of step 3 (or 6, 9)
     rewinds = [(a, b) for a, b in zip(steps, steps[1:]) if b <= a]
     assert len(rewinds) <= 1 and all((b - 1) % 3 == 0 for _, b in rewinds), steps
-    assert steps[-1] == 8 and sorted(set(steps)) == list(range(1, 9))
+    assert steps[-1] == 12 and sorted(set(steps)) == list(range(1, 13))
     if rewinds:  # the buffer rewound the clock to the checkpoint: a new lineage
         assert max(r.get("policy/lineage", 0) for r in recs) >= 1
     assert "(attempt 2)" in (run_dir / "logs" / "trainer.log").read_text()
