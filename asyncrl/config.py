@@ -278,6 +278,8 @@ class TrainerConfig(_Section):
     """AdamW and LR schedule."""
     micro_batch_tokens: int = Field(4096, ge=16)
     """Token budget of one packed micro-batch (samples are packed by token count, no padding)."""
+    share_prompts: bool = True
+    """Process a prompt group's shared prompt once per micro-batch in the trainer's forward and backward passes (Prefix Grouper, arXiv 2506.05433; exact: same logprobs and gradients). Needs the sdpa or eager attention implementation; false: every sample carries its own prompt."""
     ppo_n_minibatches: int = Field(1, ge=1)
     """Optimizer steps per train batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = Field(1, ge=1)

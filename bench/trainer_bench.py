@@ -63,11 +63,11 @@ def make_batches(n_batches: int, n_groups: int, vocab: int, seed: int = 0):
     return batches
 
 
-def plain_step(model, opt, plan, temperature: float, clip: float) -> int:
-    """The ceiling: same micro-batches, same forward/backward, inline loss, torch AdamW."""
+def plain_step(model, opt, plan, temperature: float, clip: float, share_prompts: bool) -> int:
+    """The ceiling: same micro-batches (same prompt sharing), same forward/backward, inline loss, torch AdamW."""
     import torch
 
-    from trainer.packing import build_micro_batch
+    from trainer.packing import build_micro_batch, packed_logits
 
     samples = plan.batch.samples
     prompts = [s.prompt_ids for s in samples]
@@ -76,10 +76,8 @@ def plain_step(model, opt, plan, temperature: float, clip: float) -> int:
     for mb in plan.minibatches:
         total = mb.total_loss_tokens
         for indices in mb.micro_batches:
-            packed = build_micro_batch(prompts, responses, indices)
-            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                        logits_to_keep=packed.logits_mask)
-            x = out.logits.reshape(-1, out.logits.shape[-1]).float() / temperature
+            packed = build_micro_batch(prompts, responses, indices, share_prompts=share_prompts)
+            x = packed_logits(model, packed).float() / temperature
             logp = x.gather(-1, packed.targets[:, None])[:, 0] - torch.logsumexp(x, -1)
             behav = torch.cat([samples[i].behaviour_logprobs for i in indices])
             adv = torch.cat([samples[i].advantages for i in indices])
@@ -141,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     # (a shared 2-core machine) hits both alike; the min over repeats is the least-disturbed
     # measurement, the mean is reported too. Packing statistics use every batch.
     plan, _ = trainer_step(batches[0])
-    plain_step(plain, opt, plan, 1.0, 1.0)
+    plain_step(plain, opt, plan, 1.0, 1.0, trainer.share_prompts)
     t_tr, t_pl = [], []
     tokens = 0
     for k in range(args.steps):
@@ -149,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, tokens = trainer_step(batches[1])
         t_tr.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        assert plain_step(plain, opt, plan, 1.0, 1.0) == tokens
+        assert plain_step(plain, opt, plan, 1.0, 1.0, trainer.share_prompts) == tokens
         t_pl.append(time.perf_counter() - t0)
     lengths, micro = [], []
     for groups in batches:

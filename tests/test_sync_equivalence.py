@@ -232,13 +232,16 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
             adv = (r - r.mean()) / (r.std(unbiased=True) + 1e-6)
             for s, a in zip(members, adv.float().tolist()):
                 s["adv"] = a
-        # 4. micro-batches: next-fit by tokens fed (prompt + response - 1), batch order kept
+        # 4. micro-batches: next-fit by tokens fed (prompt + response - 1), batch order kept; a
+        #    prompt equal to the previous sample's is fed once (trainer.share_prompts, on by
+        #    default); this loop still runs every sample alone, with its own prompt
         bins, used = [], 0
-        for s in samples:
+        for k, s in enumerate(samples):
             n = len(s["prompt"]) + len(s["response_ids"]) - 1
-            if bins and used + n <= MICRO_BATCH_TOKENS:
+            joined = n - (len(s["prompt"]) if k and s["prompt"] == samples[k - 1]["prompt"] else 0)
+            if bins and used + joined <= MICRO_BATCH_TOKENS:
                 bins[-1].append(s)
-                used += n
+                used += joined
             else:
                 bins.append([s])
                 used = n

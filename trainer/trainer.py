@@ -46,7 +46,10 @@ import torch
 
 from trainer.batch import PreparedSample, TrainBatch, TrainGroup, TrainSample, prepare_batch
 from trainer.losses import LossInputs, LossSettings, aggregation_weights, policy_loss, token_logprobs_and_entropy
-from trainer.packing import build_micro_batch, deal_to_ranks, pack_by_tokens, split_minibatches
+from trainer.packing import (
+    SHARED_MASK_IMPLEMENTATIONS, build_micro_batch, deal_to_ranks, pack_by_tokens, packed_logits, shared_prefix_tokens,
+    split_minibatches,
+)
 
 __all__ = ["Trainer", "MiniBatch", "StepPlan", "CheckpointError"]
 
@@ -148,6 +151,12 @@ class Trainer:
             self.ref_model.requires_grad_(False)
         self.loss_settings = LossSettings.from_config(cfg.trainer.loss)
         self.temperature = float(cfg.rollout.temperature)
+        self.share_prompts = bool(cfg.trainer.share_prompts)
+        impls = {getattr(m.config, "_attn_implementation", None) for m in (model, self.ref_model) if m is not None}
+        if self.share_prompts and not impls <= set(SHARED_MASK_IMPLEMENTATIONS):
+            log.warning("trainer.share_prompts needs the %s attention implementation; the model uses %s: every sample "
+                        "carries its own prompt", " or ".join(SHARED_MASK_IMPLEMENTATIONS), ", ".join(map(str, impls)))
+            self.share_prompts = False
         self.step = 0
         self.optimizer_steps = 0
         self.published_version = 0
@@ -302,11 +311,9 @@ class Trainer:
         prompts = [s.prompt_ids for s in mb_samples]
         responses = [s.response_ids for s in mb_samples]
         local = None if indices is None else list(range(len(indices)))
-        packed = build_micro_batch(prompts, responses, local)
+        packed = build_micro_batch(prompts, responses, local, share_prompts=self.share_prompts)
         with torch.set_grad_enabled(grad):
-            out = module(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                         logits_to_keep=packed.logits_mask)
-            logits = out.logits.reshape(-1, out.logits.shape[-1])
+            logits = packed_logits(module, packed)
             logprobs, entropy = token_logprobs_and_entropy(logits, packed.targets, self.temperature, with_entropy)
         return packed, logits, logprobs, entropy
 
@@ -345,7 +352,8 @@ class Trainer:
         for r in ranges:
             idx = list(r)
             lengths = [batch.samples[i].num_tokens for i in idx]
-            micro = [[idx[j] for j in mb] for mb in pack_by_tokens(lengths, t.micro_batch_tokens)]
+            shared = shared_prefix_tokens([batch.samples[i].prompt_ids for i in idx]) if self.share_prompts else None
+            micro = [[idx[j] for j in mb] for mb in pack_by_tokens(lengths, t.micro_batch_tokens, shared)]
             mine = deal_to_ranks(micro, self.world_size)[self.rank]
             tokens = float(sum(batch.samples[i].num_loss_tokens for i in idx))
             seqs = float(sum(1 for i in idx if batch.samples[i].num_loss_tokens > 0))
