@@ -23,7 +23,7 @@ def test_deepspeed_config_from_typed_tree():
     assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True}
     assert ds["gradient_clipping"] == 0.5  # always explicit (DeepSpeed's default changed in 0.19.3)
     assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-6, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                             "weight_decay": 0.1, "torch_adam": True}}
+                                                             "weight_decay": 0.1, "torch_adam": True, "fused": True}}
     assert ds["managed_gradient_accumulation"] is False
     assert "train_batch_size" not in ds
 

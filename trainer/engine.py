@@ -11,7 +11,11 @@ sync). Choices, and why:
   boundary. Loss scaling for accumulation is done by the loss itself (per-token weights
   normalised over the whole mini-batch), so ``backward(scale_wrt_gas=False)``.
 - ``gradient_clipping`` is always written explicitly (its default changed in 0.19.3).
-- AdamW with ``torch_adam: true`` (torch's AdamW; no CUDA/JIT op, identical on CPU and GPU).
+- AdamW with ``torch_adam: true`` (torch's AdamW; no CUDA/JIT op, identical on CPU and GPU) and
+  ``fused: true`` (DeepSpeed passes it through to ``torch.optim.AdamW``): one fused kernel over
+  all parameters instead of a loop of per-tensor ops, 4.4x faster on this CPU (135M fp32
+  parameters, one thread: 0.19 s vs 0.85 s per step; ``bench/trainer_profile.py`` shows the
+  optimizer was half of a main-job step once prompts were shared).
 - ZeRO stage 0-3; bf16 via ``bf16.enabled`` (DeepSpeed keeps fp32 master weights).
 - The learning rate is set by the training loop before each step (no DeepSpeed scheduler).
 
@@ -50,7 +54,7 @@ def deepspeed_config(cfg: Any) -> dict[str, Any]:
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": opt.lr, "betas": list(opt.betas), "eps": 1e-8,
-                       "weight_decay": opt.weight_decay, "torch_adam": True},
+                       "weight_decay": opt.weight_decay, "torch_adam": True, "fused": True},
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
