@@ -175,6 +175,7 @@ class Assignment:
         rollout_gpus: one GPU list per rollout server.
         trainer_gpus: GPUs of the trainer ranks.
         eval_threads: torch threads of the held-out evaluation (all cores; roles are paused).
+        rollout_nice, trainer_nice: nice values of the roles (``resources.core_sharing``).
     """
 
     rollout_cores: list[list[int] | None]
@@ -182,11 +183,16 @@ class Assignment:
     rollout_gpus: list[list[int] | None]
     trainer_gpus: list[int] | None
     eval_threads: int
+    rollout_nice: int = 0
+    trainer_nice: int = 0
 
     def describe(self) -> str:
-        """One line for the log: ``rollout-0 cores [0]; trainer cores [1]``."""
-        parts = [f"rollout-{i} cores {c if c is not None else 'all'}" for i, c in enumerate(self.rollout_cores)]
-        parts.append(f"trainer cores {self.trainer_cores if self.trainer_cores is not None else 'all'}")
+        """One line for the log: ``rollout-0 cores [0]; trainer cores [1]`` (``, nice 19`` when lowered)."""
+        nice = (lambda n: f", nice {n}" if n else "")  # noqa: E731
+        parts = [f"rollout-{i} cores {c if c is not None else 'all'}{nice(self.rollout_nice)}"
+                 for i, c in enumerate(self.rollout_cores)]
+        parts.append(f"trainer cores {self.trainer_cores if self.trainer_cores is not None else 'all'}"
+                     f"{nice(self.trainer_nice)}")
         if self.trainer_gpus is not None:
             parts.append(f"trainer gpus {self.trainer_gpus}")
         if any(g is not None for g in self.rollout_gpus):
@@ -217,11 +223,17 @@ def assign_resources(cfg: Any, available: list[int] | None = None, num_rollout: 
             if not chosen or missing:
                 raise ControllerError(f"resources.{name}={chosen}: cores {missing or chosen} are not available "
                                       f"(this machine offers {cores})")
+    rollout_nice = trainer_nice = 0
     if res.rollout_cores is not None or res.trainer_cores is not None:
         rollout = res.rollout_cores or cores
         trainer = res.trainer_cores or cores
     elif cfg.is_synchronous or len(cores) == 1:
         rollout, trainer = cores, cores
+    elif res.core_sharing != "split":
+        # every role on every core; an idle role's threads sleep and hold nothing
+        rollout, trainer = cores, cores
+        rollout_nice = 19 if res.core_sharing == "trainer_first" else 0
+        trainer_nice = 19 if res.core_sharing == "rollout_first" else 0
     else:
         k = max(1, len(cores) // 2)
         trainer, rollout = cores[-k:], cores[:-k]
@@ -234,6 +246,8 @@ def assign_resources(cfg: Any, available: list[int] | None = None, num_rollout: 
         rollout_gpus=rollout_gpus,
         trainer_gpus=list(res.trainer_gpus) if res.trainer_gpus is not None else None,
         eval_threads=len(cores),
+        rollout_nice=rollout_nice,
+        trainer_nice=trainer_nice,
     )
 
 
@@ -668,7 +682,7 @@ class Controller:
                                   env=renv, cores=cores, gpus=assignment.rollout_gpus[i], restart=True, stop_order=1,
                                   fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=30.0,
                                   health_check=http_health_check(url + "/health"), health_interval_seconds=5.0,
-                                  health_failures=6))
+                                  health_failures=6, nice=assignment.rollout_nice))
         tenv = dict(env)
         world = cfg.trainer.world_size
         if world > 1:
@@ -681,7 +695,7 @@ class Controller:
         specs.append(RoleSpec("trainer", argv, env=tenv, cores=assignment.trainer_cores, gpus=assignment.trainer_gpus,
                                restart=True, max_restarts=2, restart_delay_seconds=2.0, stop_order=2,
                                fatal_exit_codes=FATAL_EXIT_CODES,
-                               stop_grace_seconds=180.0))
+                               stop_grace_seconds=180.0, nice=assignment.trainer_nice))
         return specs
 
     # -- evaluation -----------------------------------------------------------------------------

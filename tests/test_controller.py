@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import dump_config, load_config
+from asyncrl.config import ConfigError, dump_config, load_config
 from asyncrl.controller import (
     ControllerError,
     assign_resources,
@@ -87,6 +87,16 @@ def test_assign_resources_defaults_and_overrides():
     a = assign_resources(over, available=[0, 1])
     assert a.trainer_cores == [0] and a.rollout_cores == [[0, 1]]
     assert a.rollout_gpus == [[0, 1]] and a.trainer_gpus == [2]
+    for mode, nice in (("shared", (0, 0)), ("trainer_first", (19, 0)), ("rollout_first", (0, 19))):
+        shared = load_config(["--config", str(TINY), "--resources.core_sharing", mode])
+        a = assign_resources(shared, available=[0, 1])
+        assert a.trainer_cores == [0, 1] and a.rollout_cores == [[0, 1]]
+        assert (a.rollout_nice, a.trainer_nice) == nice
+    assert a.describe() == "rollout-0 cores [0, 1]; trainer cores [0, 1], nice 19"
+    a = assign_resources(shared, available=[0, 1, 2, 3], num_rollout=2)  # servers still split their cores
+    assert a.rollout_cores == [[0, 1], [2, 3]] and a.trainer_cores == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="core_sharing"):
+        load_config(["--config", str(TINY), "--resources.core_sharing", "halves"])
     bad = load_config(["--config", str(TINY), "--resources.trainer_cores", "[7]"])
     with pytest.raises(ControllerError, match=r"resources.trainer_cores=\[7\].*offers \[0, 1\]"):
         assign_resources(bad, available=[0, 1])

@@ -176,6 +176,18 @@ def test_affinity_threads_and_gpus_are_applied(tmp_path):
         sup.stop_all(grace_seconds=2)
 
 
+def test_nice_is_applied_and_checked(tmp_path):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with Supervisor(tmp_path) as sup:
+        low = sup.start(RoleSpec("rollout-0", py("import time; time.sleep(60)"), nice=19))
+        plain = sup.start(RoleSpec("trainer", py("import time; time.sleep(60)")))
+        assert os.getpriority(os.PRIO_PROCESS, low.pid) == min(19, base + 19)
+        assert os.getpriority(os.PRIO_PROCESS, plain.pid) == base
+        with pytest.raises(SupervisorError, match="nice 20 is outside 0..19"):
+            sup.start(RoleSpec("x", py("pass"), nice=20))
+        sup.stop_all(grace_seconds=2)
+
+
 def test_unknown_core_and_bad_command_are_errors(tmp_path):
     with Supervisor(tmp_path) as sup:
         with pytest.raises(SupervisorError, match="cores .* not available"):
