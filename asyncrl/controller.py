@@ -252,6 +252,34 @@ def assign_resources(cfg: Any, available: list[int] | None = None, num_rollout: 
 
 
 # ----------------------------------------------------------------------------------------------
+# evaluation pauses
+
+
+def resume_roles(sup: Any, clock: Any, start_monotonic: float) -> float:
+    """End an evaluation pause begun at ``start_monotonic`` (``time.monotonic()``, read before
+    ``sup.pause()``): record it in the run clock, then SIGCONT every role.
+
+    The order matters: the interval is in ``clock.json`` before any role runs again, so a
+    trainer phase that spans the pause subtracts it (:class:`trainer.loop.PhaseTimer`) and
+    every process's training wall clock leaves it out.
+
+    Args:
+        sup: the :class:`asyncrl.supervisor.Supervisor` whose roles were paused, or None (nothing
+            was running, e.g. the evaluation of the base model before training).
+        clock: the run's :class:`asyncrl.tracking.RunClock`.
+        start_monotonic: when the pause began.
+
+    Returns:
+        The pause's length in seconds.
+    """
+    end = time.monotonic()
+    clock.add_pause(end - start_monotonic, start_monotonic, end)
+    if sup is not None:
+        sup.resume()
+    return end - start_monotonic
+
+
+# ----------------------------------------------------------------------------------------------
 # the trainer's step records -> the metric naming scheme of asyncrl.tracking
 
 _PHASES = ("wait_batch", "forward_backward", "optim_step", "publish_weights", "checkpoint")
@@ -363,6 +391,64 @@ def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
     return ok, text
 
 
+class RateWindow:
+    """Rate of a growing counter over a window that spans whole trainer steps.
+
+    Rollout generation is bursty: the engine generates right after a weight update and then
+    waits while the staleness bound blocks it, for most of a trainer step (35-90 s in the main
+    job). A fixed 10-second window read 0 most of the time, and always at the moment a step
+    ends, when the progress line prints (the burst comes after the publish). Here the window
+    starts where a trainer step started (the first observation of that step), at the newest
+    such point that is at least ``min_seconds`` old and ``min_steps`` steps back; so it holds
+    whole generate-then-wait cycles and reads the throughput the trainer is fed. Before such a
+    point exists it starts at the first observation; a point ``max_seconds`` old is always
+    enough (a stalled trainer does not stretch the window forever).
+
+    Args:
+        min_seconds, min_steps, max_seconds: see above (seconds of whatever clock ``add`` gets).
+
+    Raises:
+        ValueError: ``min_seconds`` or ``max_seconds`` not positive, ``min_steps < 0``, or
+            ``max_seconds < min_seconds``.
+    """
+
+    def __init__(self, min_seconds: float = 60.0, min_steps: int = 1, max_seconds: float = 600.0) -> None:
+        if min_seconds <= 0 or max_seconds < min_seconds or min_steps < 0:
+            raise ValueError(f"need 0 < min_seconds <= max_seconds and min_steps >= 0 "
+                             f"(got {min_seconds}, {max_seconds}, {min_steps})")
+        self.min_seconds, self.min_steps, self.max_seconds = min_seconds, min_steps, max_seconds
+        self.points: deque[tuple[float, float, int]] = deque()
+
+    def clear(self) -> None:
+        """Forget every observation (e.g. after a pause the clock did not leave out)."""
+        self.points.clear()
+
+    def add(self, t_seconds: float, value: float, step: int) -> float | None:
+        """Record ``value`` (a counter) at time ``t_seconds`` and trainer step ``step``.
+
+        Returns:
+            ``Δvalue / Δt`` over the window (clamped at 0: a counter that went back, e.g. a
+            restarted server, reads 0 until the window has passed the restart), or None with
+            fewer than two observations at distinct times.
+        """
+        pts = self.points
+        pts.append((float(t_seconds), float(value), int(step)))
+        base = 0
+        for i in range(len(pts) - 1, 0, -1):
+            t, _, s = pts[i]
+            age = t_seconds - t
+            starts_step = pts[i - 1][2] != s
+            if (starts_step and age >= self.min_seconds and step - s >= self.min_steps) or age >= self.max_seconds:
+                base = i
+                break
+        for _ in range(base):
+            pts.popleft()
+        t0, v0, _ = pts[0]
+        if t_seconds <= t0:
+            return None
+        return max(0.0, value - v0) / (t_seconds - t0)
+
+
 class _BufferWatcher:
     """Turns ``ReplayBuffer.stats()`` into controller metrics; tracks multi-version samples.
 
@@ -373,7 +459,7 @@ class _BufferWatcher:
 
     def __init__(self, buf: Any) -> None:
         self.buf = buf
-        self.tokens_window: deque[tuple[float, int]] = deque()
+        self.tokens_window = RateWindow()
         self.inspected: set[str] = set()
         self.next_unfinished = 0
         self.multi_version_samples = 0
@@ -405,7 +491,9 @@ class _BufferWatcher:
         self.next_unfinished = first_open if first_open is not None else cursor
         self.inspected = {g for g in self.inspected if int(g[1:]) >= self.next_unfinished}
 
-    async def poll(self, wall_seconds: float) -> dict[str, float]:
+    async def poll(self, wall_seconds: float, trainer_step: int = 0) -> dict[str, float]:
+        """Buffer metrics now; ``rollout/tokens_per_second`` is appended tokens per training
+        wall second over a :class:`RateWindow` (whole trainer steps, at least 60 s)."""
         st = await self.buf.stats()
         self.last_stats = st
         counters = st.get("counters", {})
@@ -434,13 +522,9 @@ class _BufferWatcher:
         hist = {int(k): v for k, v in st.get("staleness_histogram", {}).items()}
         if hist:
             m["staleness/max_ready"] = max(hist)
-        tokens = int(counters.get("appended_tokens", 0))
-        self.tokens_window.append((wall_seconds, tokens))
-        while len(self.tokens_window) > 2 and wall_seconds - self.tokens_window[0][0] > 10.0:
-            self.tokens_window.popleft()
-        (w0, t0), (w1, t1) = self.tokens_window[0], self.tokens_window[-1]
-        if w1 > w0:
-            m["rollout/tokens_per_second"] = max(0.0, (t1 - t0) / (w1 - w0))
+        rate = self.tokens_window.add(wall_seconds, int(counters.get("appended_tokens", 0)), trainer_step)
+        if rate is not None:
+            m["rollout/tokens_per_second"] = rate
         await self._inspect_groups(int(st["dataset_cursor"]))
         m["buffer/multi_version_samples"] = self.multi_version_samples
         m["buffer/resumed_samples"] = self.resumed_samples
@@ -744,9 +828,9 @@ class Controller:
         model = self._eval_model_dir(weights) if version > 0 else weights
         self.progress.set_status("evaluating")
         self.progress.refresh()
+        start = time.monotonic()
         if sup is not None:
             sup.pause()
-        start = time.monotonic()
         out_dir = self.run_dir / "eval"
         out_dir.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(self.cfg_path), "--model", model,
@@ -763,10 +847,8 @@ class Controller:
                     proc.terminate()  # Ctrl-C/SIGTERM: do not make the user wait for the evaluation
             stdout, stderr = done.result()
         finally:
-            seconds = time.monotonic() - start
-            self.clock.add_pause(seconds)  # evaluation time is never training time
+            seconds = resume_roles(sup, self.clock, start)  # evaluation time is never training time
             if sup is not None:
-                sup.resume()
                 self.scraper.reset()
             self.eval_seconds_total += seconds
             self.progress.set_status("training")
@@ -922,7 +1004,8 @@ class Controller:
                 if time.monotonic() >= next_stats:
                     next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
                     try:
-                        self._log({**await watcher.poll(wall), **await self.scraper.poll()})
+                        self._log({**await watcher.poll(wall, self.trainer_step),
+                                   **await self.scraper.poll(self.trainer_step)})
                         if self.prom is not None:
                             self.prom.update(watcher.last_stats, self.trainer_step, sup.running())
                     except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll
@@ -948,7 +1031,7 @@ class Controller:
                 self.failed = f"the trainer exited with status {codes['trainer']} while stopping:\n{sup.log_tail('trainer')}"
                 print(f"asyncrl train: {self.failed}", file=sys.stderr)
             self._forward_children()
-            self._log(await watcher.poll(self.clock.wall_seconds()))
+            self._log(await watcher.poll(self.clock.wall_seconds(), self.trainer_step))
             # a final evaluation when the run ends on its own (not after Ctrl-C/SIGTERM: exit promptly)
             if eval_on and self.last_eval_step != self.trainer_step and status != "failed" and not self.signals:
                 await self._evaluate(buf, None, assignment)
@@ -1076,8 +1159,9 @@ def parse_prometheus_totals(text: str, names: tuple[str, ...]) -> dict[str, floa
 class _RolloutScraper:
     """Idle ratio and generated tokens/s of each rollout server, from its engine's ``/metrics``.
 
-    Rates are over the last ~10 s of host time; :meth:`reset` after an evaluation pause (a
-    stopped process's idle tracker keeps counting).
+    Idle ratios are over the last ~10 s of host time, tokens/s over a :class:`RateWindow`
+    (whole trainer steps, at least 60 s: generation is bursty); :meth:`reset` after an
+    evaluation pause (host time runs on while the servers are stopped).
     """
 
     IDLE = "asyncrl_rollout_idle_seconds_total"
@@ -1086,12 +1170,15 @@ class _RolloutScraper:
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
         self.window: dict[str, deque[tuple[float, dict[str, float]]]] = {u: deque() for u in urls}
+        self.tokens: dict[str, RateWindow] = {u: RateWindow() for u in urls}
 
     def reset(self) -> None:
         for w in self.window.values():
             w.clear()
+        for r in self.tokens.values():
+            r.clear()
 
-    async def poll(self) -> dict[str, float]:
+    async def poll(self, trainer_step: int = 0) -> dict[str, float]:
         import aiohttp
 
         out: dict[str, float] = {}
@@ -1111,12 +1198,12 @@ class _RolloutScraper:
                 while len(window) > 2 and now - window[0][0] > 10.0:
                     window.popleft()
                 (t0, v0), (t1, v1) = window[0], window[-1]
-                if t1 <= t0:
-                    continue
-                if self.IDLE in v0 and self.IDLE in v1:
+                if self.TOKENS in v1:
+                    rate = self.tokens[url].add(now, v1[self.TOKENS], trainer_step)
+                    if rate is not None:
+                        out[f"rollout/tokens_per_second_{i}"] = rate
+                if t1 > t0 and self.IDLE in v0 and self.IDLE in v1:
                     out[f"idle_ratio/rollout-{i}"] = min(1.0, max(0.0, (v1[self.IDLE] - v0[self.IDLE]) / (t1 - t0)))
-                if self.TOKENS in v0 and self.TOKENS in v1:
-                    out[f"rollout/tokens_per_second_{i}"] = max(0.0, (v1[self.TOKENS] - v0[self.TOKENS]) / (t1 - t0))
         return out
 
 

@@ -87,15 +87,29 @@ class RunClock:
     ``start_unix`` (shifted back by the wall time of earlier sessions on ``--resume``) and adds
     each evaluation pause to ``paused_seconds``. A process reads the file again when it changes.
     Without a ``clock.json`` (a role run on its own) the clock starts when it is created.
+
+    Each pause is also kept as an interval of ``CLOCK_MONOTONIC`` seconds (``time.monotonic()``,
+    one system-wide clock for every process of the machine): the controller records it after
+    the evaluation and *before* it sends SIGCONT, so a process that was stopped reads it as soon
+    as it runs again. :meth:`paused_between` gives the stopped share of any interval; the
+    trainer's step timers subtract it (:class:`trainer.loop.PhaseTimer`). Why not a clock that
+    stops with the process: Linux has none. ``CLOCK_MONOTONIC``/``CLOCK_BOOTTIME`` keep running
+    during SIGSTOP, and process CPU time also leaves out every wait (a batch, Redis, a gloo
+    collective) and adds up the CPU time of several threads, so it is not wall time; a watchdog
+    thread that looks for gaps cannot tell a stop from a long GIL hold. The controller, which
+    sends the signals, is the one that knows.
     """
 
     FILE = "clock.json"
+    #: pause intervals kept in the file (older ones cannot overlap a running step)
+    MAX_INTERVALS = 256
 
     def __init__(self, run_dir: Path | str) -> None:
         self.path = Path(run_dir) / self.FILE
         self._mtime_ns = -1
         self._start_unix = time.time()
         self._paused_seconds = 0.0
+        self._intervals: list[tuple[float, float]] = []
         self._refresh()
 
     @classmethod
@@ -106,13 +120,15 @@ class RunClock:
         clock._mtime_ns = -1
         clock._start_unix = time.time() - previous_wall_seconds
         clock._paused_seconds = 0.0
+        clock._intervals = []
         clock._write()
         return clock
 
     def _write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"start_unix": self._start_unix, "paused_seconds": self._paused_seconds}))
+        tmp.write_text(json.dumps({"start_unix": self._start_unix, "paused_seconds": self._paused_seconds,
+                                   "pause_intervals_monotonic": [list(iv) for iv in self._intervals]}))
         os.replace(tmp, self.path)
 
     def _refresh(self) -> None:
@@ -126,14 +142,41 @@ class RunClock:
             data = json.loads(self.path.read_text())
             self._start_unix = float(data["start_unix"])
             self._paused_seconds = float(data.get("paused_seconds", 0.0))
+            self._intervals = [(float(a), float(b)) for a, b in data.get("pause_intervals_monotonic", [])]
             self._mtime_ns = st.st_mtime_ns
         except (OSError, ValueError, KeyError, TypeError):
             pass  # being replaced right now; keep the previous values
 
-    def add_pause(self, seconds: float) -> None:
-        """Exclude ``seconds`` (an evaluation pause) from the wall clock of every process."""
+    def add_pause(self, seconds: float, start_monotonic: float | None = None,
+                  end_monotonic: float | None = None) -> None:
+        """Exclude ``seconds`` (an evaluation pause) from the wall clock of every process.
+
+        Args:
+            seconds: length of the pause (>= 0; negative values count as 0).
+            start_monotonic, end_monotonic: the pause as ``time.monotonic()`` readings, kept
+                for :meth:`paused_between` (both or neither).
+
+        Raises:
+            ValueError: only one bound given, or ``end_monotonic < start_monotonic``.
+        """
+        if (start_monotonic is None) != (end_monotonic is None):
+            raise ValueError("add_pause needs both start_monotonic and end_monotonic, or neither")
+        if start_monotonic is not None and end_monotonic < start_monotonic:
+            raise ValueError(f"pause ends ({end_monotonic}) before it starts ({start_monotonic})")
+        self._refresh()
         self._paused_seconds += max(0.0, float(seconds))
+        if start_monotonic is not None:
+            self._intervals = (self._intervals + [(float(start_monotonic), float(end_monotonic))])[-self.MAX_INTERVALS:]
         self._write()
+
+    def paused_between(self, start_monotonic: float, end_monotonic: float) -> float:
+        """Seconds of ``[start_monotonic, end_monotonic]`` (``time.monotonic()`` readings) that
+        overlap a recorded pause: the time a role stopped for evaluation spent stopped in it."""
+        self._refresh()
+        total = 0.0
+        for a, b in self._intervals:
+            total += max(0.0, min(b, end_monotonic) - max(a, start_monotonic))
+        return total
 
     @property
     def paused_seconds(self) -> float:

@@ -68,6 +68,54 @@ def test_eval_pauses_roles_and_is_excluded_from_wall_time(tmp_path, tiny_model_d
     assert saved["model"] == str(tiny_model_dir) and {r["mode"] for r in saved["results"]} == {"greedy", "sampled"}
 
 
+TRAINER_PHASE = """
+import json, sys, time
+from asyncrl.tracking import RunClock
+from trainer.loop import PhaseTimer
+
+run_dir, out = sys.argv[1], sys.argv[2]
+timer = PhaseTimer(None, RunClock(run_dir))
+t0 = time.perf_counter()
+with timer.phase("forward_backward"):
+    c0 = time.process_time()
+    open(out + ".started", "w").close()
+    while time.process_time() - c0 < 1.5:  # 1.5 s of CPU: still running when the evaluation stops it
+        pass
+    cpu = time.process_time() - c0
+raw = time.perf_counter() - t0
+json.dump({"seconds": timer.seconds["forward_backward"], "raw": raw, "cpu": cpu, "stopped": timer.stopped_seconds},
+          open(out, "w"))
+"""
+
+
+def test_trainer_phase_timer_leaves_out_the_evaluation_stop(tmp_path, tiny_model_dir):
+    """A real process timing a phase with trainer.loop.PhaseTimer is SIGSTOPped by a real evaluation
+    (the controller's own path); its phase seconds leave the stop out, its raw wall time does not."""
+    ctl = _controller(tmp_path, tiny_model_dir)
+    out = tmp_path / "phase.json"
+    with Supervisor(tmp_path / "logs") as sup:
+        sup.start(RoleSpec("trainer", [sys.executable, "-c", TRAINER_PHASE, str(ctl.run_dir), str(out)],
+                           cwd=str(REPO)))
+        deadline = time.monotonic() + 60
+        while not Path(str(out) + ".started").exists():
+            assert time.monotonic() < deadline, sup.log_tail("trainer")
+            time.sleep(0.02)
+        ctl.trainer_step = 2
+        t0 = time.monotonic()
+        asyncio.run(ctl._evaluate(None, sup, assign_resources(ctl.cfg)))
+        eval_seconds = time.monotonic() - t0
+        while not out.exists():
+            assert time.monotonic() < deadline, sup.log_tail("trainer")
+            time.sleep(0.05)
+    ctl.logger.close()
+    r = json.loads(out.read_text())
+    assert eval_seconds > 2.0  # a real `asyncrl eval` subprocess ran meanwhile
+    assert r["raw"] >= r["cpu"] + eval_seconds - 0.3  # a wall clock counts the stop (the bug)
+    assert r["stopped"] == pytest.approx(eval_seconds, abs=0.3)
+    assert r["seconds"] == pytest.approx(r["raw"] - r["stopped"], abs=0.05)
+    assert r["cpu"] - 0.05 <= r["seconds"] <= r["raw"] - eval_seconds + 0.3
+
+
 def test_failed_eval_is_reported_and_training_goes_on(tmp_path, tiny_model_dir, capsys):
     ctl = _controller(tmp_path, tiny_model_dir)
     ctl.cfg.model.path = str(tmp_path / "no-such-model")

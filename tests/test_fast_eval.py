@@ -174,3 +174,77 @@ def test_cli_hf_and_engine_report_the_same_greedy_accuracy(sharp, capsys):
         assert r["backend"] == backend and r["n"] == 6
         results[backend] = {k: r[k] for k in ("correct", "format_compliance", "mean_response_tokens", "truncated")}
     assert results["hf"] == results["engine"]
+
+
+# ---- the trainer's step timers leave out the time it is stopped for evaluation ---------------
+
+
+def test_run_clock_pause_intervals(tmp_path):
+    from asyncrl.tracking import RunClock
+
+    writer = RunClock.start(tmp_path)
+    reader = RunClock(tmp_path)  # another process's view, through clock.json
+    assert reader.paused_between(0.0, 1e9) == 0.0
+    writer.add_pause(2.0, 100.0, 102.0)
+    writer.add_pause(3.0, 110.0, 113.0)
+    assert reader.paused_seconds == pytest.approx(5.0)
+    assert reader.paused_between(101.0, 111.0) == pytest.approx(2.0)  # 1 s of each pause
+    assert reader.paused_between(90.0, 120.0) == pytest.approx(5.0)
+    assert reader.paused_between(103.0, 109.0) == 0.0
+    writer.add_pause(1.0)  # a total without an interval (older callers) still shifts the wall clock
+    assert reader.paused_seconds == pytest.approx(6.0) and reader.paused_between(90.0, 120.0) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="both"):
+        writer.add_pause(1.0, 5.0)
+    with pytest.raises(ValueError, match="before it starts"):
+        writer.add_pause(1.0, 5.0, 4.0)
+    for i in range(RunClock.MAX_INTERVALS + 5):
+        writer.add_pause(0.0, 200.0 + i, 200.0 + i)
+    assert len(RunClock(tmp_path)._intervals) == RunClock.MAX_INTERVALS
+
+
+PHASE_CHILD = """
+import json, sys, time
+from asyncrl.tracking import RunClock
+from trainer.loop import PhaseTimer
+
+timer = PhaseTimer(None, RunClock(sys.argv[1]))
+with timer.phase("optim_step"):
+    print("in phase", flush=True)
+    sys.stdin.readline()  # waits (wall time that is not CPU time) until the test writes a line
+print(json.dumps({"seconds": timer.seconds["optim_step"], "stopped": timer.stopped_seconds}), flush=True)
+"""
+
+
+def test_phase_timer_subtracts_a_real_sigstop(tmp_path):
+    """SIGSTOP/SIGCONT of a real process, the pause recorded as the controller records it."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from asyncrl.controller import resume_roles
+    from asyncrl.tracking import RunClock
+
+    clock = RunClock.start(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", PHASE_CHILD, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "in phase"
+        t0 = time.monotonic()
+        time.sleep(0.5)  # 0.5 s of real phase time
+        start = time.monotonic()
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)  # stopped: not phase time
+        paused = resume_roles(None, clock, start)  # records the interval, then (here by hand) SIGCONT
+        child.send_signal(signal.SIGCONT)
+        time.sleep(0.5)  # 0.5 s more of real phase time
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        r = json.loads(child.stdout.readline())
+        total = time.monotonic() - t0
+    finally:
+        child.kill()
+        child.wait()
+    assert paused == pytest.approx(2.0, abs=0.2) and r["stopped"] == pytest.approx(paused, abs=1e-6)
+    assert 0.9 <= r["seconds"] <= total - paused + 0.2  # about 1 s of the ~3 s the phase spanned

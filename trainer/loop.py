@@ -37,26 +37,47 @@ __all__ = ["PhaseTimer", "LoopResult", "train_loop", "install_signal_handlers", 
 
 
 class PhaseTimer:
-    """Seconds spent in each named phase of the current step."""
+    """Seconds spent in each named phase of the current step, not counting evaluation stops.
 
-    def __init__(self, metrics: Any = None):
+    While the controller runs the held-out evaluation it stops every role with SIGSTOP; a wall
+    clock keeps running meanwhile, so a phase that spans the stop would read the whole
+    evaluation (a 40-second forward and backward read 178 s). The controller records each stop
+    as a ``time.monotonic()`` interval in the run's ``clock.json`` before it lets the roles
+    continue (:class:`asyncrl.tracking.RunClock`); a phase's seconds are its
+    ``time.perf_counter()`` duration minus its overlap with those intervals.
+
+    Args:
+        metrics: an :class:`asyncrl.metrics.TrainerMetrics` (rank 0) or None: the four
+            ARCHITECTURE §5 phases are also observed into its step-duration histogram (the same
+            corrected seconds) and ``wait_batch`` marks the trainer idle.
+        clock: the run's :class:`asyncrl.tracking.RunClock` or None (no correction).
+    """
+
+    def __init__(self, metrics: Any = None, clock: Any = None):
         self.seconds: dict[str, float] = {}
+        self.stopped_seconds = 0.0
         self._metrics = metrics
+        self._clock = clock
 
     @contextmanager
     def phase(self, name: str):
-        """Time a phase (also into Prometheus for the four ARCHITECTURE §5 phases)."""
-        ctx = None
-        if self._metrics is not None and name in ("wait_batch", "forward_backward", "optim_step", "publish_weights"):
-            ctx = self._metrics.phase(name)
-            ctx.__enter__()
-        start = time.perf_counter()
+        """Time a phase; the block's stopped time (evaluation pauses) is left out."""
+        prom = self._metrics is not None and name in ("wait_batch", "forward_backward", "optim_step", "publish_weights")
+        if prom and name == "wait_batch":
+            self._metrics.idle.set_idle(True)
+        start, start_mono = time.perf_counter(), time.monotonic()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+            elapsed = time.perf_counter() - start
+            stopped = self._clock.paused_between(start_mono, time.monotonic()) if self._clock is not None else 0.0
+            stopped = min(max(0.0, stopped), elapsed)
+            self.stopped_seconds += stopped
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed - stopped
+            if prom:
+                self._metrics.step_duration.labels(name).observe(elapsed - stopped)
+                if name == "wait_batch":
+                    self._metrics.idle.set_idle(False)
 
 
 @dataclass
@@ -178,12 +199,15 @@ def train_loop(
         jsonl = open(path, "a")
     done_here = 0
     reason = "total_steps"
+    from asyncrl.tracking import RunClock
+
+    clock = RunClock(cfg.run.run_dir)  # evaluation stops recorded by the controller (none when run alone)
     try:
         while trainer.step < cfg.run.total_steps:
             if max_steps is not None and done_here >= max_steps:
                 reason = "max_steps"
                 break
-            timer = PhaseTimer(metrics)
+            timer = PhaseTimer(metrics, clock)
             step_no = trainer.step + 1
             with timer.phase("wait_batch"):
                 groups = None
@@ -223,6 +247,8 @@ def train_loop(
             if trainer.rank == 0:
                 record = {"step": float(trainer.step), **plan.metrics, **step_metrics,
                           **{f"{k}_seconds": v for k, v in timer.seconds.items()}}
+                if timer.stopped_seconds > 0:
+                    record["eval_stopped_seconds"] = timer.stopped_seconds
                 history.append(record)
                 if jsonl is not None:
                     jsonl.write(json.dumps(record) + "\n")
