@@ -933,6 +933,7 @@ class Controller:
         return over
 
     async def run(self) -> int:
+        from asyncrl.cpu_share import CpuShareSampler
         from asyncrl.progress import Progress
         from asyncrl.redis_server import RedisServerError
         from asyncrl.supervisor import Supervisor, SupervisorError
@@ -989,6 +990,7 @@ class Controller:
             for spec in self.role_specs(assignment):
                 sup.start(spec)
             self.scraper = _RolloutScraper(self.rollout_urls)
+            cpu = CpuShareSampler(assignment.eval_threads)  # eval_threads = the run's cores
             self.progress.set_status("training")
             next_stats = 0.0
             over = False
@@ -1005,7 +1007,8 @@ class Controller:
                     next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
                     try:
                         self._log({**await watcher.poll(wall, self.trainer_step),
-                                   **await self.scraper.poll(self.trainer_step)})
+                                   **await self.scraper.poll(self.trainer_step),
+                                   **cpu.sample({name: sup.pid(name) for name in sup.names})})
                         if self.prom is not None:
                             self.prom.update(watcher.last_stats, self.trainer_step, sup.running())
                     except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll

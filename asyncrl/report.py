@@ -3,12 +3,13 @@
 Reads the run's ``metrics-*.jsonl`` (every role, see :mod:`asyncrl.tracking`) and its resolved
 ``config.yaml``, and writes into the run directory (or ``--out``):
 
-* ``report.png`` — six panels over training wall time (minutes; held-out evaluation pauses
+* ``report.png`` — seven panels over training wall time (minutes; held-out evaluation pauses
   excluded): train reward, held-out accuracy (sampled at T = 1 with its 95% interval, and
   greedy), rollout tokens/s, staleness (max and mean, with the ``max_staleness`` bound),
-  partial ratio, and each role's idle ratio;
+  partial ratio, each role's idle ratio, and each role's CPU share (``cpu_share/<role>``: its
+  CPU seconds per wall second over all the run's cores, from :mod:`asyncrl.cpu_share`);
 * ``report.md`` — steps, wall time, final and best held-out accuracy, tokens/s, max staleness,
-  partial ratio, idle ratios, drops and restarts.
+  partial ratio, idle ratios, CPU shares, drops and restarts.
 
 With ``--compare RUN_B`` both runs are overlaid (the sync-vs-async comparison of
 ``docs/results.md``) and the summary adds the wall time each run needs to reach the best
@@ -118,6 +119,10 @@ def _idle_keys(records: list[dict[str, Any]]) -> list[str]:
     return sorted({k for r in records for k in r if k.startswith("idle_ratio/")})
 
 
+def _cpu_keys(records: list[dict[str, Any]]) -> list[str]:
+    return sorted({k for r in records for k in r if k.startswith("cpu_share/")})
+
+
 #: The trainer's step phases (``time/<phase>_seconds`` in the step records).
 _PHASES = ("wait_batch", "forward_backward", "optim_step", "publish_weights", "checkpoint")
 
@@ -160,6 +165,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "max_staleness_bound": (run.config.get("buffer") or {}).get("max_staleness"),
         "partial_ratio_mean": _mean(partial),
         "idle_ratios": {k.split("/", 1)[1]: _mean(series(recs, k)[1]) for k in _idle_keys(recs)},
+        "cpu_shares": {k.split("/", 1)[1]: _mean(series(recs, k)[1]) for k in _cpu_keys(recs)},
         "seconds_per_step": (wall / steps) if steps else None,
         # medians: a step that an evaluation paused (SIGSTOP) counts the pause in its phase
         "phase_seconds": {ph: statistics.median(series(recs, f"time/{ph}_seconds")[1]) for ph in _PHASES
@@ -213,6 +219,8 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
         ("partial ratio (mean)", [_fmt(s["partial_ratio_mean"], ".2f") for s in sums]),
         ("idle ratio (mean) by role", [
             ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in s["idle_ratios"].items()) or "—" for s in sums]),
+        ("CPU share of the run's cores (mean) by role", [
+            ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in s["cpu_shares"].items()) or "—" for s in sums]),
         ("drops / sample restarts (buffer)", [f"{_fmt(s['drops'])} / {_fmt(s['restarts'])}" for s in sums]),
         ("role restarts (supervisor)", [_fmt(s["role_restarts"]) for s in sums]),
     ]
@@ -247,15 +255,16 @@ def _moving_average(ys: list[float], window: int) -> list[float]:
 
 
 def plot_runs(runs: list[Run], path: Path) -> None:
-    """Draw the six panels for one or two runs into ``path`` (PNG, matplotlib Agg)."""
+    """Draw the seven panels for one or two runs into ``path`` (PNG, matplotlib Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 4, figsize=(21, 8.5), constrained_layout=True)
     colors = ["tab:blue", "tab:orange"]
-    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle = axes.flat
+    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle, ax_cpu, ax_spare = axes.flat
+    ax_spare.axis("off")
     for run, color in zip(runs, colors):
         recs, label = run.records, run.name
         m = lambda xs: [x / 60 for x in xs]  # noqa: E731 - minutes
@@ -291,6 +300,9 @@ def plot_runs(runs: list[Run], path: Path) -> None:
         for key, ls in zip(_idle_keys(recs), ["-", "--", ":", "-."] * 8):
             xs, ys = series(recs, key)
             ax_idle.plot(m(xs), ys, color=color, ls=ls, label=f"{label} {key.split('/', 1)[1]}")
+        for key, ls in zip(_cpu_keys(recs), ["-", "--", ":", "-."] * 8):
+            xs, ys = series(recs, key)
+            ax_cpu.plot(m(xs), ys, color=color, ls=ls, label=f"{label} {key.split('/', 1)[1]}")
     titles = [
         (ax_reward, "train reward (mean; line: moving average of 10)", "reward"),
         (ax_acc, "held-out accuracy (95% interval shaded)", "accuracy"),
@@ -298,6 +310,7 @@ def plot_runs(runs: list[Run], path: Path) -> None:
         (ax_stale, "staleness of train batches", "policy versions"),
         (ax_partial, "partial ratio (partial samples / samples in flight)", "ratio"),
         (ax_idle, "idle ratio by role", "ratio"),
+        (ax_cpu, "CPU share by role (of all the run's cores)", "share"),
     ]
     for ax, title, ylabel in titles:
         ax.set_title(title, fontsize=10)
@@ -308,7 +321,7 @@ def plot_runs(runs: list[Run], path: Path) -> None:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray")
-    for ax in (ax_acc, ax_partial, ax_idle):
+    for ax in (ax_acc, ax_partial, ax_idle, ax_cpu):
         ax.set_ylim(-0.02, 1.02)
     fig.suptitle("asyncrl: " + " vs ".join(r.name for r in runs))
     fig.savefig(path, dpi=110)

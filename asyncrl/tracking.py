@@ -24,16 +24,20 @@ Metric naming scheme: ``<group>/<name>``, lower case, the unit as a suffix (``_s
 ``reward/``         ``mean``, ``std``, ``max``, ``min``, ``format_mean`` (train-batch rewards)
 ``eval/``           ``accuracy_sampled``, ``accuracy_greedy``, ``ci95_low``/``ci95_high``,
                     ``format_compliance``, ``num_problems``, ``eval_seconds``
-``rollout/``        ``tokens_per_second``, ``generated_tokens``, ``samples_per_second``,
-                    ``response_len_mean_tokens``
+``rollout/``        ``tokens_per_second`` (appended tokens per training wall second over whole
+                    trainer steps, at least 60 s: generation is bursty), ``generated_tokens``,
+                    ``samples_per_second``, ``response_len_mean_tokens``
 ``buffer/``         ``partial_ratio`` (partial samples / samples in flight), ``depth_<state>``
                     (prompt groups or samples by state), ``drops``, ``restarts``, ``fed_groups``
 ``staleness/``      ``max``, ``mean`` (policy versions, of the train batch)
 ``policy/``         ``version`` (the version clock), ``lineage``
 ``time/``           phase timings: ``wait_batch_seconds``, ``forward_backward_seconds``,
-                    ``optim_step_seconds``, ``publish_weights_seconds``, ``step_seconds``,
+                    ``optim_step_seconds``, ``publish_weights_seconds``, ``step_seconds``
+                    (evaluation stops left out; ``eval_stopped_seconds``: how much was),
                     ``eval_seconds`` (cumulative evaluation time, excluded from wall time)
 ``idle_ratio/``     ``trainer``, ``rollout`` (fraction of wall time the role waited for work)
+``cpu_share/``      ``<role>`` (trainer, rollout-0, ...: the role's CPU seconds per wall second over
+                    all the run's cores, 0..1; logged by the controller, asyncrl/cpu_share.py)
 ``train/``          ``loss``, ``grad_norm``, ``lr``, ``kl``, ``entropy``, ``clip_fraction``,
                     ``importance_weight_max``
 ``supervisor/``     ``restarts`` (role restarts so far)

@@ -38,7 +38,8 @@ def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1
                                   "eval/num_problems": 400, "time/eval_seconds": 20.0 * step},
                            wall_seconds=wall + 2)
         controller.log(step, {"buffer/partial_ratio": 0.25, "buffer/drops": 1, "buffer/restarts": 3,
-                              "supervisor/restarts": 0}, wall_seconds=wall + 2)
+                              "supervisor/restarts": 0, "cpu_share/trainer": 0.2 + 0.02 * (step % 2),
+                              "cpu_share/rollout-0": 0.4}, wall_seconds=wall + 2)
     for lg in (trainer, *rollouts, controller):
         lg.close()
     return run_dir
@@ -73,6 +74,7 @@ def test_summary_numbers(tmp_path):
     assert s["partial_ratio_mean"] == pytest.approx(0.25)
     assert s["idle_ratios"] == {"trainer": pytest.approx(0.3), "rollout-0": pytest.approx(0.1),
                                 "rollout-1": pytest.approx(0.1)}
+    assert s["cpu_shares"] == {"trainer": pytest.approx(0.21), "rollout-0": pytest.approx(0.4)}
     assert s["drops"] == 1 and s["restarts"] == 3 and s["eval_seconds"] == 800
     assert s["seconds_per_step"] == pytest.approx((40 * 30 + 2) / 40)
     assert s["phase_seconds"] == {"forward_backward": pytest.approx(10.0)}  # phases never logged are left out
@@ -87,6 +89,7 @@ def test_cli_writes_png_and_markdown(tmp_path):
     assert "![curves](report.png)" in md
     assert "| train steps | 40 |" in md
     assert "| max staleness seen / bound | 2 / 2 |" in md
+    assert "| CPU share of the run's cores (mean) by role | rollout-0 0.40, trainer 0.21 |" in md
     assert "0.5 [0.451, 0.549]" in md
     assert "trainer 0.30" in md and "rollout-0 0.10" in md
     w, h = _png_size(run_dir / "report.png")
