@@ -267,7 +267,7 @@ def evaluate_problems(
     response_prefix: str | None = None,
     max_new_tokens: int,
     seed: int = 0,
-    batch_size: int = 64,
+    batch_size: int = 128,
     task: str = "",
     model_name: str = "",
     samples: list[dict[str, Any]] | None = None,
@@ -366,7 +366,7 @@ def evaluate(
     temperatures: Sequence[float] = (0.0, 1.0),
     seed: int = 0,
     max_new_tokens: int = 64,
-    batch_size: int = 64,
+    batch_size: int = 128,
     threads: int | None = 2,
     samples: list[dict[str, Any]] | None = None,
     backend: str = "engine",
@@ -419,7 +419,7 @@ def evaluate(
 
 USAGE = """usage: asyncrl eval [--model PATH_OR_NAME] [--task arithmetic|gsm8k|jsonl|parquet]
                     [--num_problems 400] [--modes greedy,sampled] [--temperature 1.0]
-                    [--max_new_tokens N] [--batch_size 64] [--seed 0] [--threads 2]
+                    [--max_new_tokens N] [--batch_size 128] [--seed 0] [--threads 2]
                     [--backend engine|hf] [--server_url URL]
                     [--json] [--samples_out FILE.jsonl] [--config F] [--FIELD VALUE ...]
 
@@ -442,7 +442,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="greedy,sampled")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max_new_tokens", type=int)
-    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--backend", choices=["engine", "hf"], default=None)
     p.add_argument("--server_url")
     p.add_argument("--seed", type=int)

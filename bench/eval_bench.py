@@ -10,8 +10,8 @@ is loaded once; each run evaluates every problem with one backend and batch size
 * ``hf:32``: transformers ``generate``, left-padded batches of 32 in problem order (the
   previous ``asyncrl eval`` default: the baseline);
 * ``hf:64``: the same with batches of 64;
-* ``engine:64``: :class:`rollout_server.engine.Engine`, 64 rows decoded together, a finished
-  row's slot refilled at once (the new default).
+* ``engine:N``: :class:`rollout_server.engine.Engine`, N rows decoded together, a finished
+  row's slot refilled at once (``engine:128`` is the ``asyncrl eval`` default).
 
 Printed: seconds, accuracy with its 95% interval, mean response tokens and generated tokens/s
 per run, and the speed-up ``seconds(hf:32) / seconds(run)`` of every run. For greedy (``--modes
@@ -22,7 +22,9 @@ distribution). The machine may be shared: the 1-minute load average before and a
 is recorded; speed targets are these in-script ratios, never absolute times.
 
 Usage: ``python bench/eval_bench.py [--config configs/smollm2_arith.yaml] [--num_problems 400]
-[--threads 2] [--modes sampled] [--runs hf:32,hf:64,engine:64] [--json docs/bench/eval_backends.json]``.
+[--threads 2] [--modes sampled] [--runs hf:32,hf:64,engine:64,engine:128] [--json FILE]``.
+The JSON in docs/bench/eval_backends.json: ``--modes sampled,greedy --runs
+hf:32,engine:64,engine:128,engine:256``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def main() -> int:
     ap.add_argument("--num_problems", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", default="sampled")
-    ap.add_argument("--runs", default="hf:32,hf:64,engine:64")
+    ap.add_argument("--runs", default="hf:32,hf:64,engine:64,engine:128")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
