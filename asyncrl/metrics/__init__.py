@@ -730,7 +730,7 @@ def git_sha(repo: Path | None = None) -> str:
     env = os.environ.get("ASYNCRL_GIT_SHA")
     if env:
         return env[:40]
-    root = repo or Path(__file__).resolve().parent.parent
+    root = repo or Path(__file__).resolve().parents[2]
     try:
         head = (root / ".git" / "HEAD").read_text().strip()
         if head.startswith("ref: "):
