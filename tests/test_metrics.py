@@ -1,4 +1,4 @@
-"""The metric catalogue (asyncrl/metrics.py) against Prometheus' own tools and naming rules.
+"""The metric catalogue (asyncrl/metrics/) against Prometheus' own tools and naming rules.
 
 Each role's real registry is driven once through every metric (``drive_role``) and its
 exposition is checked by ``promtool check metrics`` (Debian's prometheus package) and by the

@@ -5,7 +5,7 @@ writing them as data keeps the JSON consistent (every target uses the ``${dataso
 variable, every query filters ``run=~"$run"``). The JSON is committed (Grafana provisioning
 reads files, not Python); ``tests/test_monitoring.py`` checks that the committed file equals
 this script's output, that every expression parses (promtool) and that every metric it names
-exists in asyncrl's registries (asyncrl/metrics.py) or is an SGLang engine metric.
+exists in asyncrl's registries (asyncrl/metrics/) or is an SGLang engine metric.
 
 Classic dashboard model (ecosystem.md B.2): stable ``uid``, ``id: null``, no ``__inputs``,
 a ``datasource`` template variable. Run: ``python monitoring/grafana/build_dashboard.py``.
