@@ -6,20 +6,9 @@ event loop keeps serving while a step runs). The HTTP layer talks to it only thr
 thread-safe calls (:meth:`Engine.submit`, :meth:`Engine.abort`, :meth:`Engine.call`) and gets
 progress back through the ``on_update`` callback, once per engine iteration.
 
-KV cache layout (why it is simple): one left-padded buffer per layer, ``(slots, kv_heads,
-columns, head_dim)``. Every live row ends at the same column ``length``; a row's real tokens
-occupy ``[start, length)`` and a boolean mask ``(slots, columns)`` hides the padding. One
-decode step feeds one token per slot, writes its keys/values into column ``length`` of the
-buffer in place (no per-step concatenation), and passes HF a ready 4-D mask and per-row
-position ids. A request that arrives while a batch runs is prefilled on its own (all newly
-arrived prompts together, left-padded), then copied right-aligned into free slots, and joins
-the very next decode step. The ``n`` samples of a prompt share a single prefill: the prompt is
-prefilled once and its keys/values are copied into ``n`` slots. Finished rows are left as dead
-slots (reused by the next arrival) and compacted away when they exceed a quarter of the batch;
-padding columns no live row needs are trimmed the same way. Padding columns hold zeros, never
-stale or uninitialised memory: masked columns still take part in the attention arithmetic, and
-one NaN/inf there made a whole row's logits NaN (the multinomial "inf, nan or element < 0"
-failures).
+KV cache layout: :mod:`rollout_server.kv_cache` (one left-padded buffer per layer; a request
+that arrives while a batch runs is prefilled on its own, then copied right-aligned into free
+slots and joins the very next decode step; the ``n`` samples of a prompt share one prefill).
 
 Failures: a row whose logits are non-finite (or whose sampling distribution is, after penalties,
 bias and temperature) fails alone with a 500 naming it; any other exception in a step fails every
@@ -49,6 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from rollout_server.kv_cache import KVCacheSlots
 from rollout_server.sampling import NonFiniteLogits, RequestError, SamplingParams, sample_tokens
 
 __all__ = ["Engine", "EngineSample", "PromptGroup", "abort_reason", "RequestError"]
@@ -120,45 +110,7 @@ class _Item:
     samples: list[EngineSample]
 
 
-@dataclass(eq=False)
-class _Row:
-    sample: EngineSample
-    start: int  # first real column of this row in the batch buffer
-
-
-class _BufferLayer:
-    """HF cache layer writing new keys/values in place into the engine's batch buffer.
-
-    Duck-types transformers' ``DynamicLayer`` for the calls the decoder layers make.
-    """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-    is_initialized = True
-
-    def __init__(self, engine: "Engine", idx: int):
-        self.engine, self.idx = engine, idx
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        e = self.engine
-        B, col = key_states.shape[0], e._length
-        K, V = e._K[self.idx], e._V[self.idx]
-        K[:B, :, col : col + 1] = key_states
-        V[:B, :, col : col + 1] = value_states
-        return K[:B, :, : col + 1], V[:B, :, : col + 1]
-
-    def get_seq_length(self) -> int:
-        return self.engine._length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.engine._length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class Engine:
+class Engine(KVCacheSlots):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
@@ -208,20 +160,7 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.eos_ids = _eos_ids(model, tokenizer)
         self.generator = torch.Generator().manual_seed(int(seed))
-        # batch state (engine thread only)
-        self._K: list[Any] = []
-        self._V: list[Any] = []
-        self._mask = None  # (slots, columns) bool
-        self._pos = None  # (slots,) next position id
-        self._next = None  # (slots,) next input token
-        self._slots = 0  # allocated slots
-        self._cols = 0  # allocated columns
-        self._length = 0  # used columns
-        self._rows: list[_Row | None] = []  # active width B = len(self._rows)
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache(config=model.config)
-        self._cache.layers = [_BufferLayer(self, i) for i in range(self.num_layers)]
+        self._init_batch(model)  # batch state (engine thread only): kv_cache.KVCacheSlots
         # queues
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._waiting: collections.deque[_Item] = collections.deque()
@@ -692,136 +631,9 @@ class Engine:
             if not samples:
                 return updated
         # place KV right-aligned into free slots
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        new_len = max(self._length, max(len(items[i].ids) for i, _ in placements))
-        n_new = len(samples)
-        slots = self._claim_slots(n_new, new_len + 1)
-        k = 0
-        for i, go in placements:
-            n = len(items[i].ids)
-            idx = torch.tensor(slots[k : k + len(go)], dtype=torch.long)
-            for layer in range(self.num_layers):
-                src_k = kv[layer][0][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
-                src_v = kv[layer][1][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
-                self._K[layer][idx, :, self._length - n : self._length] = src_k
-                self._V[layer][idx, :, self._length - n : self._length] = src_v
-                # the padding columns of a reused or fresh slot hold a previous row's keys or
-                # uninitialised memory; masked or not, a non-finite value there turns the row's
-                # attention output into NaN (score NaN + mask = NaN, 0 * NaN = NaN), so clear them
-                self._K[layer][idx, :, : self._length - n] = 0
-                self._V[layer][idx, :, : self._length - n] = 0
-            self._mask[idx] = False
-            self._mask[idx, self._length - n : self._length] = True
-            self._pos[idx] = n
-            for j, s in enumerate(go):
-                self._rows[slots[k + j]] = _Row(s, self._length - n)
-            k += len(go)
-        idx_all = torch.tensor(slots, dtype=torch.long)
-        self._next[idx_all] = torch.tensor(tokens, dtype=torch.long)
+        slots = self._place_rows(cache, [(len(items[i].ids), i, go) for i, go in placements], L, tokens)
         updated += self._append_tokens(samples, tokens, lps, tops, slots)
         return updated
-
-    def _claim_slots(self, n: int, need_cols: int) -> list[int]:
-        """Pick ``n`` slots (dead ones first), growing buffers; make every row end at ``need_cols - 1``."""
-        # shift existing rows right if the new rows are longer than the current content
-        want_len = need_cols - 1
-        if want_len > self._length:
-            self._ensure_capacity(self._slots, want_len + 1)
-            d = want_len - self._length
-            B = len(self._rows)
-            if B and self._length:
-                for layer in range(self.num_layers):
-                    self._K[layer][:B, :, d : d + self._length] = self._K[layer][:B, :, : self._length].clone()
-                    self._V[layer][:B, :, d : d + self._length] = self._V[layer][:B, :, : self._length].clone()
-                self._mask[:B, d : d + self._length] = self._mask[:B, : self._length].clone()
-            if B:
-                # the columns exposed on the left are padding of every existing row: they are masked,
-                # but attention still multiplies them (0 * NaN = NaN), so they must hold finite values
-                for layer in range(self.num_layers):
-                    self._K[layer][:B, :, :d] = 0
-                    self._V[layer][:B, :, :d] = 0
-                self._mask[:B, :d] = False
-            for row in self._rows:
-                if row is not None:
-                    row.start += d
-            self._length = want_len
-        free = [i for i, r in enumerate(self._rows) if r is None][:n]
-        extra = n - len(free)
-        if extra > 0:
-            B = len(self._rows)
-            self._ensure_capacity(B + extra, self._length + 1)
-            self._rows.extend([None] * extra)
-            free += list(range(B, B + extra))
-        return free
-
-    def _ensure_capacity(self, slots: int, cols: int) -> None:
-        torch = self.torch
-        if slots <= self._slots and cols <= self._cols:
-            return
-        new_slots = max(slots, min(self.max_batch_size, max(self._slots * 2, 4)))
-        new_slots = max(new_slots, slots)
-        new_cols = cols if cols <= self._cols else max(cols + 16, self._cols * 2)
-        new_cols = max(new_cols, self._cols)
-        shape = (new_slots, self.kv_heads, new_cols, self.head_dim)
-        B, Lc = len(self._rows), self._length
-        newK, newV = [], []
-        for layer in range(self.num_layers):
-            # zeros, not empty: uninitialised memory can hold NaN/inf bit patterns, and a masked
-            # column is still part of the attention arithmetic (see _prefill)
-            k = torch.zeros(shape, dtype=self.dtype)
-            v = torch.zeros(shape, dtype=self.dtype)
-            if self._K and B and Lc:
-                k[:B, :, :Lc] = self._K[layer][:B, :, :Lc]
-                v[:B, :, :Lc] = self._V[layer][:B, :, :Lc]
-            newK.append(k)
-            newV.append(v)
-        mask = torch.zeros(new_slots, new_cols, dtype=torch.bool)
-        pos = torch.zeros(new_slots, dtype=torch.long)
-        nxt = torch.zeros(new_slots, dtype=torch.long)
-        if self._mask is not None and B:
-            mask[:B, :Lc] = self._mask[:B, :Lc]
-            pos[:B] = self._pos[:B]
-            nxt[:B] = self._next[:B]
-        self._K, self._V, self._mask, self._pos, self._next = newK, newV, mask, pos, nxt
-        self._slots, self._cols = new_slots, new_cols
-
-    def _release_buffers(self) -> None:
-        self._K, self._V = [], []
-        self._mask = self._pos = self._next = None
-        self._slots = self._cols = self._length = 0
-        self._rows = []
-
-    def _maybe_compact(self) -> None:
-        """Drop dead tail slots; compact when dead slots exceed a quarter; trim unused left columns."""
-        torch = self.torch
-        while self._rows and self._rows[-1] is None:
-            self._rows.pop()
-        live = [i for i, r in enumerate(self._rows) if r is not None]
-        if not live:
-            self._rows = []
-            self._length = 0
-            return
-        B = len(self._rows)
-        dead = B - len(live)
-        trim = min(self._rows[i].start for i in live)
-        do_compact = dead >= 2 and dead * 4 > B
-        do_trim = trim >= 32 and trim * 4 >= self._length
-        if not (do_compact or do_trim):
-            return
-        idx = torch.tensor(live, dtype=torch.long)
-        t0 = trim if do_trim else 0
-        n = len(live)
-        for layer in range(self.num_layers):
-            self._K[layer][:n, :, : self._length - t0] = self._K[layer][idx, :, t0 : self._length]
-            self._V[layer][:n, :, : self._length - t0] = self._V[layer][idx, :, t0 : self._length]
-        self._mask[:n, : self._length - t0] = self._mask[idx, t0 : self._length]
-        self._pos[:n] = self._pos[idx].clone()
-        self._next[:n] = self._next[idx].clone()
-        rows = [self._rows[i] for i in live]
-        for r in rows:
-            r.start -= t0
-        self._rows = rows
-        self._length -= t0
 
     # -- decode -------------------------------------------------------------------------------
 
