@@ -280,6 +280,8 @@ class TrainerConfig(_Section):
     """Token budget of one packed micro-batch (samples are packed by token count, no padding)."""
     share_prompts: bool = True
     """Process a prompt group's shared prompt once per micro-batch in the trainer's forward and backward passes (Prefix Grouper, arXiv 2506.05433; exact: same logprobs and gradients). Needs the sdpa or eager attention implementation; false: every sample carries its own prompt."""
+    attention: Literal["blocks", "row"] = "blocks"
+    """How the trainer's forward and backward passes attend over a packed micro-batch: ``blocks`` attends each block (a sample, or a shared-prompt group) alone, Σ ℓ² work (varlen attention, trainer/attention.py); ``row`` attends over the whole packed row with a block-diagonal mask, L² work. Same logprobs and gradients; docs/trainer.md measures both. ``blocks`` needs a model loaded with sdpa or eager attention (else the trainer logs a warning and uses ``row``)."""
     ppo_n_minibatches: int = Field(1, ge=1)
     """Optimizer steps per train batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = Field(1, ge=1)

@@ -46,10 +46,12 @@ shrinks L, and with it that cost, quadratically. The explicit mask needs the ``s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from trainer.attention import BLOCK_ATTENTION
 
 __all__ = [
     "pack_by_tokens", "deal_to_ranks", "PackedMicroBatch", "build_micro_batch", "packing_efficiency",
@@ -122,7 +124,7 @@ def deal_to_ranks(micro_batches: list[list[int]], world_size: int) -> list[list[
 
 
 #: Attention implementations that accept the explicit 4-D mask of shared-prompt blocks.
-SHARED_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+SHARED_MASK_IMPLEMENTATIONS = ("sdpa", "eager", BLOCK_ATTENTION)
 
 
 @dataclass
@@ -144,6 +146,11 @@ class PackedMicroBatch:
             block is shared (transformers then derives the block-diagonal causal mask from the
             position restarts).
         shared_samples: samples in this micro-batch whose prompt was not processed again.
+        block_spans: ``(start, end)`` rows of each block, tiling ``[0, L)`` (block attention,
+            trainer/attention.py).
+        block_masks: per block, None (plain causal: a sample, or a prompt with one response) or
+            its (ℓ, ℓ) bool shared-prompt mask, True = may attend (the diagonal blocks of
+            ``block_mask``).
     """
 
     input_ids: torch.Tensor
@@ -155,6 +162,8 @@ class PackedMicroBatch:
     logits_index: torch.Tensor | None = None
     block_mask: torch.Tensor | None = None
     shared_samples: int = 0
+    block_spans: list[tuple[int, int]] = field(default_factory=list)
+    block_masks: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -193,7 +202,8 @@ def build_micro_batch(
     if indices is None:
         z = torch.zeros((1, 1), dtype=torch.long)
         return PackedMicroBatch(z, z.clone(), torch.zeros((1, 1), dtype=torch.bool),
-                                torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
+                                torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [],
+                                block_spans=[(0, 1)], block_masks=[None])
     ids: list[int] = []
     pos: list[int] = []
     keep_rows: list[int] = []  # row of each target's predicting logit
@@ -238,17 +248,24 @@ def build_micro_batch(
         keep[0, rows] = True
     logits_index = None
     block_mask = None
+    spans = [(start_row, start_row + len(branch)) for start_row, branch in blocks]
+    masks: list[torch.Tensor | None] = []
+    for start_row, branch in blocks:
+        if max(branch) <= 1:  # a prompt with at most one response: plain causal
+            masks.append(None)
+            continue
+        b = torch.tensor(branch)
+        n = b.numel()
+        causal = torch.ones((n, n), dtype=torch.bool).tril_()
+        masks.append(causal & ((b[None, :] == 0) | (b[None, :] == b[:, None])))
     if shared_samples:
         # rank of each kept row among the kept rows = index into the (K, V) logits
         rank = torch.cumsum(keep[0].long(), 0) - 1
         logits_index = rank[rows]
         block_mask = torch.zeros((length, length), dtype=torch.bool)
-        for start_row, branch in blocks:
-            b = torch.tensor(branch)
-            n = b.numel()
-            causal = torch.ones((n, n), dtype=torch.bool).tril_()
-            same = (b[None, :] == 0) | (b[None, :] == b[:, None])
-            block_mask[start_row:start_row + n, start_row:start_row + n] = causal & same
+        for (start, end), mask in zip(spans, masks):
+            n = end - start
+            block_mask[start:end, start:end] = torch.ones((n, n), dtype=torch.bool).tril_() if mask is None else mask
     return PackedMicroBatch(
         torch.tensor([ids], dtype=torch.long),
         torch.tensor([pos], dtype=torch.long),
@@ -259,6 +276,8 @@ def build_micro_batch(
         logits_index,
         block_mask,
         shared_samples,
+        spans,
+        masks,
     )
 
 
@@ -300,14 +319,21 @@ def packed_logits(module: Any, packed: PackedMicroBatch) -> torch.Tensor:
     Returns:
         (T, V) logits (model dtype), row t predicting ``packed.targets[t]``.
 
+    With the block attention implementation (trainer/attention.py) the row's blocks are
+    attended one by one (Σ ℓ² scores); otherwise attention runs over the whole row (L²) with the
+    implicit block-diagonal mask, or the explicit shared-prompt mask.
+
     Raises:
         ValueError: a shared block with an attention implementation that takes no 4-D mask.
     """
     kwargs: dict[str, Any] = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                               "use_cache": False, "logits_to_keep": packed.logits_mask}
-    if packed.block_mask is not None:
-        inner = getattr(module, "module", module)
-        impl = getattr(inner.config, "_attn_implementation", None) or "eager"
+    inner = getattr(module, "module", module)
+    impl = getattr(inner.config, "_attn_implementation", None) or "eager"
+    if impl == BLOCK_ATTENTION:
+        kwargs["block_spans"] = packed.block_spans
+        kwargs["block_masks"] = packed.block_masks
+    elif packed.block_mask is not None:
         kwargs["attention_mask"] = attention_mask_for(packed.block_mask, impl, next(inner.parameters()).dtype)
     out = module(**kwargs)
     logits = out.logits.reshape(-1, out.logits.shape[-1])

@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.attention import BLOCK_ATTENTION, BLOCK_ATTENTION_BASES
 from trainer.batch import PreparedSample, TrainBatch, TrainGroup, TrainSample, prepare_batch
 from trainer.losses import LossInputs, LossSettings, aggregation_weights, policy_loss, token_logprobs_and_entropy
 from trainer.packing import (
@@ -157,6 +158,17 @@ class Trainer:
             log.warning("trainer.share_prompts needs the %s attention implementation; the model uses %s: every sample "
                         "carries its own prompt", " or ".join(SHARED_MASK_IMPLEMENTATIONS), ", ".join(map(str, impls)))
             self.share_prompts = False
+        self.attention = cfg.trainer.attention
+        if self.attention == "blocks":
+            if impls <= set(BLOCK_ATTENTION_BASES):
+                for m in (model, self.ref_model):
+                    if m is not None:
+                        m.set_attn_implementation(BLOCK_ATTENTION)
+            else:
+                log.warning("trainer.attention 'blocks' needs a model loaded with %s attention; the model uses %s: "
+                            "attention runs over the packed row", " or ".join(BLOCK_ATTENTION_BASES[:2]),
+                            ", ".join(map(str, impls)))
+                self.attention = "row"
         self.step = 0
         self.optimizer_steps = 0
         self.published_version = 0
