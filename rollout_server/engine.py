@@ -4,14 +4,17 @@ One engine owns one transformers causal LM (fp32, CPU) and decodes every running
 one batch per step, in its own thread (torch releases the GIL inside kernels, so the aiohttp
 event loop keeps serving while a step runs). The HTTP layer talks to it only through
 thread-safe calls (:meth:`Engine.submit`, :meth:`Engine.abort`, :meth:`Engine.call`) and gets
-progress back through the ``on_update`` callback, once per engine iteration.
+progress back through the ``on_update`` callback, once per engine iteration. This module is the
+scheduler (admission, prefill, decode steps, pause/abort/retract); the KV cache, weight updates
+and per-sample output are mixins of :class:`Engine` in their own modules.
 
 KV cache layout: :mod:`rollout_server.kv_cache` (one left-padded buffer per layer; a request
 that arrives while a batch runs is prefilled on its own, then copied right-aligned into free
 slots and joins the very next decode step; the ``n`` samples of a prompt share one prefill).
 
 Failures: a row whose logits are non-finite (or whose sampling distribution is, after penalties,
-bias and temperature) fails alone with a 500 naming it; any other exception in a step fails every
+bias and temperature) fails alone with a 500 naming it (:mod:`rollout_server.engine_outputs`,
+which also holds the stop and length rules); any other exception in a step fails every
 live request with a 500 and the engine goes on. Weight updates are validated and converted
 completely (names, shapes, floating dtypes, finite values, tied aliases) before the first copy
 (:mod:`rollout_server.engine_weights`).
@@ -39,9 +42,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from rollout_server.engine_outputs import EngineOutputs, eos_ids
 from rollout_server.engine_weights import DEFERRED, EngineWeights
 from rollout_server.kv_cache import KVCacheSlots
-from rollout_server.sampling import NonFiniteLogits, RequestError, SamplingParams, sample_tokens
+from rollout_server.sampling import RequestError, SamplingParams
 
 __all__ = ["Engine", "EngineSample", "PromptGroup", "abort_reason", "RequestError"]
 
@@ -112,7 +116,7 @@ class _Item:
     samples: list[EngineSample]
 
 
-class Engine(KVCacheSlots, EngineWeights):
+class Engine(KVCacheSlots, EngineWeights, EngineOutputs):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
@@ -160,7 +164,7 @@ class Engine(KVCacheSlots, EngineWeights):
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.dtype = next(model.parameters()).dtype
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.generator = torch.Generator().manual_seed(int(seed))
         self._init_batch(model)  # batch state (engine thread only): kv_cache.KVCacheSlots
         # queues
@@ -429,12 +433,6 @@ class Engine(KVCacheSlots, EngineWeights):
         self._pending_updates.clear()
         self._publish(updated)
 
-    def _finish(self, s: EngineSample, reason: dict) -> None:
-        s.finish_reason = reason
-        s.finished_time = time.time()
-        self._live.pop(s.rid, None)
-        self._finished_unpublished.append(s)  # published by the next _publish, even if this step fails later
-
     # -- admission (prefill) --------------------------------------------------------------------
 
     def _admit(self) -> list[EngineSample]:
@@ -488,23 +486,7 @@ class Engine(KVCacheSlots, EngineWeights):
         updated: list[EngineSample] = []
         # prompt logprobs (only for requests asking logprob_start_len >= 0)
         if want_prompt_lp:
-            lsm = torch.log_softmax(logits_all, dim=-1)
-            for i, it in enumerate(items):
-                n = len(it.ids)
-                for s in it.samples:
-                    if s.return_logprob and s.logprob_start_len >= 0 and s.input_token_logprobs is None:
-                        prompt = s.prompt_ids
-                        k = min(s.logprob_start_len, len(prompt))
-                        base = L - n  # column of the first prompt token
-                        vals = []
-                        for j in range(k, len(prompt)):
-                            if j == 0:
-                                vals.append([None, prompt[0], None])
-                            else:
-                                vals.append([float(lsm[i, base + j - 1, prompt[j]]), prompt[j], None])
-                        if vals and vals[0][0] is not None:
-                            vals[0][0] = None  # SGLang always pads the first one with None
-                        s.input_token_logprobs = vals
+            self._prompt_logprobs(items, logits_all, L)
         # finished-at-prefill samples (max_new_tokens == 0) and rows to place
         placements: list[tuple[int, list[EngineSample]]] = []
         for i, it in enumerate(items):
@@ -615,110 +597,3 @@ class Engine(KVCacheSlots, EngineWeights):
         if failed and not any(s.finished for s in samples):
             self._maybe_compact()
         return failed + updated
-
-    def _sample(self, logits, samples: list[EngineSample]):
-        """:func:`sample_tokens`, failing (500) the samples whose distribution is invalid.
-
-        Returns ``(tokens, logprobs, tops, failed)`` for the samples not in ``failed``, in order.
-        """
-        torch = self.torch
-        failed: list[EngineSample] = []
-        while samples:
-            try:
-                tokens, lps, tops = sample_tokens(logits, samples, self._stop_ids, self.generator)
-                return tokens, lps, tops, failed
-            except NonFiniteLogits as exc:
-                bad = set(exc.rows)
-                failed += self._fail_nonfinite([samples[k] for k in exc.rows], "sampling (after penalties, logit bias and temperature)")
-                keep = [k for k in range(len(samples)) if k not in bad]
-                samples = [samples[k] for k in keep]
-                logits = logits[torch.tensor(keep, dtype=torch.long)] if keep else logits[:0]
-        return [], [], [], failed
-
-    def _nonfinite_rows(self, logits) -> list[int]:
-        """Indices of the rows of ``logits`` ``(R, V)`` that hold a NaN or an infinity."""
-        torch = self.torch
-        ok = torch.isfinite(logits).all(dim=-1)
-        if bool(ok.all()):
-            return []
-        return [int(i) for i in torch.nonzero(~ok).flatten()]
-
-    def _fail_nonfinite(self, samples: list[EngineSample], where: str) -> list[EngineSample]:
-        """End ``samples`` with a 500: the model produced non-finite logits for them."""
-        for s in samples:
-            message = (
-                f"engine error: the model produced non-finite logits (NaN or inf) for request {s.rid} in "
-                f"{where} (prompt {len(s.prompt_ids)} tokens, output {len(s.output_ids)} tokens, weight "
-                f"version {self.weight_version}); only this request failed"
-            )
-            log.error(message)
-            self._finish(s, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
-        self.stats["nonfinite_logits_total"] += len(samples)
-        return list(samples)
-
-    def _stop_ids(self, s: EngineSample) -> set[int]:
-        return set(s.params.stop_token_ids) | self.eos_ids
-
-    def _append_tokens(self, samples, tokens, lps, tops, slots) -> list[EngineSample]:
-        now = time.time()
-        version = self.weight_version
-        finished_any = False
-        for s, tok, lp, top, slot in zip(samples, tokens, lps, tops, slots):
-            p = s.params
-            if not s.version_starts or s.version_starts[-1][0] != version:
-                s.version_starts.append((version, len(s.output_ids)))
-            s.output_ids.append(tok)
-            s.output_logprobs.append(lp)
-            if s.top_logprobs_num:
-                s.output_top_logprobs.append(top)
-            if s.first_token_time is None:
-                s.first_token_time = now
-            reason = None
-            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
-                reason = {"type": "stop", "matched": tok}
-            elif p.stop and self.tokenizer is not None:
-                matched = self._match_stop_string(s)
-                if matched is not None:
-                    reason = {"type": "stop", "matched": matched}
-            if reason is None and len(s.output_ids) >= p.max_new_tokens:
-                reason = {"type": "length", "length": p.max_new_tokens}
-            if reason is None and len(s.prompt_ids) + len(s.output_ids) >= self.context_len:
-                reason = {"type": "length", "length": len(s.output_ids)}
-            if reason is not None:
-                self._finish(s, reason)
-                self._rows[slot] = None
-                finished_any = True
-        self.stats["generation_tokens_total"] += len(tokens)
-        self._throughput_window.append((time.monotonic(), len(tokens)))
-        if finished_any:
-            self._maybe_compact()
-        return list(samples)
-
-    def _match_stop_string(self, s: EngineSample) -> str | None:
-        """Decode the tail of the output and look for a stop string that ends in the new text."""
-        p = s.params
-        longest = max(len(x) for x in p.stop)
-        tail_ids = s.output_ids[max(0, len(s.output_ids) - longest - 8) :]
-        text = self.tokenizer.decode(tail_ids, skip_special_tokens=p.skip_special_tokens)
-        prev = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=p.skip_special_tokens)
-        # only matches that end inside the newly decoded part count (earlier ones were checked)
-        common = 0
-        while common < min(len(prev), len(text)) and prev[common] == text[common]:
-            common += 1
-        for stop in p.stop:
-            pos = text.find(stop, max(0, common - len(stop) + 1))
-            if pos != -1:
-                return stop
-        return None
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """EOS token ids from the generation config, the model config and the tokenizer."""
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        v = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
-    return ids

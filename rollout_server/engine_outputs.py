@@ -1,0 +1,168 @@
+"""How the embedded engine turns logits into output: sampling, appended tokens, and when a sample ends.
+
+One job: a sample's output bookkeeping. :class:`EngineOutputs` is a mixin of
+:class:`rollout_server.engine.Engine`: it samples next tokens (a row whose logits or sampling
+distribution are not finite fails alone with a 500 naming it), appends tokens, logprobs and
+the weight version that produced them, applies the stop-token, stop-string, ``max_new_tokens``
+and context-length rules, finishes samples, and computes prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from rollout_server.sampling import NonFiniteLogits, sample_tokens
+
+if TYPE_CHECKING:
+    from rollout_server.engine import EngineSample
+
+__all__ = ["EngineOutputs", "eos_ids"]
+
+#: the engine's logger: a request failing on non-finite logits is logged as the engine's error
+log = logging.getLogger("rollout_server.engine")
+
+
+class EngineOutputs:
+    """Sampling and per-sample output (mixin of :class:`rollout_server.engine.Engine`).
+
+    Expects ``torch``, ``tokenizer``, ``generator``, ``eos_ids``, ``context_len``,
+    ``weight_version``, ``stats``, ``_live``, ``_rows``, ``_finished_unpublished``,
+    ``_throughput_window`` and ``_maybe_compact()`` on the engine.
+    """
+
+    def _finish(self, s: EngineSample, reason: dict) -> None:
+        s.finish_reason = reason
+        s.finished_time = time.time()
+        self._live.pop(s.rid, None)
+        self._finished_unpublished.append(s)  # published by the next _publish, even if this step fails later
+
+    def _prompt_logprobs(self, items: list[Any], logits_all: Any, L: int) -> None:
+        """Fill ``input_token_logprobs`` of the samples asking ``logprob_start_len >= 0`` from the
+        prefill's logits ``(P, L, V)`` (rows left-padded to width ``L``)."""
+        torch = self.torch
+        lsm = torch.log_softmax(logits_all, dim=-1)
+        for i, it in enumerate(items):
+            n = len(it.ids)
+            for s in it.samples:
+                if s.return_logprob and s.logprob_start_len >= 0 and s.input_token_logprobs is None:
+                    prompt = s.prompt_ids
+                    k = min(s.logprob_start_len, len(prompt))
+                    base = L - n  # column of the first prompt token
+                    vals = []
+                    for j in range(k, len(prompt)):
+                        if j == 0:
+                            vals.append([None, prompt[0], None])
+                        else:
+                            vals.append([float(lsm[i, base + j - 1, prompt[j]]), prompt[j], None])
+                    if vals and vals[0][0] is not None:
+                        vals[0][0] = None  # SGLang always pads the first one with None
+                    s.input_token_logprobs = vals
+
+    def _sample(self, logits, samples: list[EngineSample]):
+        """:func:`sample_tokens`, failing (500) the samples whose distribution is invalid.
+
+        Returns ``(tokens, logprobs, tops, failed)`` for the samples not in ``failed``, in order.
+        """
+        torch = self.torch
+        failed: list[EngineSample] = []
+        while samples:
+            try:
+                tokens, lps, tops = sample_tokens(logits, samples, self._stop_ids, self.generator)
+                return tokens, lps, tops, failed
+            except NonFiniteLogits as exc:
+                bad = set(exc.rows)
+                failed += self._fail_nonfinite([samples[k] for k in exc.rows], "sampling (after penalties, logit bias and temperature)")
+                keep = [k for k in range(len(samples)) if k not in bad]
+                samples = [samples[k] for k in keep]
+                logits = logits[torch.tensor(keep, dtype=torch.long)] if keep else logits[:0]
+        return [], [], [], failed
+
+    def _nonfinite_rows(self, logits) -> list[int]:
+        """Indices of the rows of ``logits`` ``(R, V)`` that hold a NaN or an infinity."""
+        torch = self.torch
+        ok = torch.isfinite(logits).all(dim=-1)
+        if bool(ok.all()):
+            return []
+        return [int(i) for i in torch.nonzero(~ok).flatten()]
+
+    def _fail_nonfinite(self, samples: list[EngineSample], where: str) -> list[EngineSample]:
+        """End ``samples`` with a 500: the model produced non-finite logits for them."""
+        for s in samples:
+            message = (
+                f"engine error: the model produced non-finite logits (NaN or inf) for request {s.rid} in "
+                f"{where} (prompt {len(s.prompt_ids)} tokens, output {len(s.output_ids)} tokens, weight "
+                f"version {self.weight_version}); only this request failed"
+            )
+            log.error(message)
+            self._finish(s, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
+        self.stats["nonfinite_logits_total"] += len(samples)
+        return list(samples)
+
+    def _stop_ids(self, s: EngineSample) -> set[int]:
+        return set(s.params.stop_token_ids) | self.eos_ids
+
+    def _append_tokens(self, samples, tokens, lps, tops, slots) -> list[EngineSample]:
+        now = time.time()
+        version = self.weight_version
+        finished_any = False
+        for s, tok, lp, top, slot in zip(samples, tokens, lps, tops, slots):
+            p = s.params
+            if not s.version_starts or s.version_starts[-1][0] != version:
+                s.version_starts.append((version, len(s.output_ids)))
+            s.output_ids.append(tok)
+            s.output_logprobs.append(lp)
+            if s.top_logprobs_num:
+                s.output_top_logprobs.append(top)
+            if s.first_token_time is None:
+                s.first_token_time = now
+            reason = None
+            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+                reason = {"type": "stop", "matched": tok}
+            elif p.stop and self.tokenizer is not None:
+                matched = self._match_stop_string(s)
+                if matched is not None:
+                    reason = {"type": "stop", "matched": matched}
+            if reason is None and len(s.output_ids) >= p.max_new_tokens:
+                reason = {"type": "length", "length": p.max_new_tokens}
+            if reason is None and len(s.prompt_ids) + len(s.output_ids) >= self.context_len:
+                reason = {"type": "length", "length": len(s.output_ids)}
+            if reason is not None:
+                self._finish(s, reason)
+                self._rows[slot] = None
+                finished_any = True
+        self.stats["generation_tokens_total"] += len(tokens)
+        self._throughput_window.append((time.monotonic(), len(tokens)))
+        if finished_any:
+            self._maybe_compact()
+        return list(samples)
+
+    def _match_stop_string(self, s: EngineSample) -> str | None:
+        """Decode the tail of the output and look for a stop string that ends in the new text."""
+        p = s.params
+        longest = max(len(x) for x in p.stop)
+        tail_ids = s.output_ids[max(0, len(s.output_ids) - longest - 8) :]
+        text = self.tokenizer.decode(tail_ids, skip_special_tokens=p.skip_special_tokens)
+        prev = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=p.skip_special_tokens)
+        # only matches that end inside the newly decoded part count (earlier ones were checked)
+        common = 0
+        while common < min(len(prev), len(text)) and prev[common] == text[common]:
+            common += 1
+        for stop in p.stop:
+            pos = text.find(stop, max(0, common - len(stop) + 1))
+            if pos != -1:
+                return stop
+        return None
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """EOS token ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
