@@ -21,6 +21,10 @@ Deviations from SGLang, on purpose: ``/health`` answers 200 without a test gener
 paused; an EOS reached exactly at ``max_new_tokens`` reports ``stop`` (not ``length``);
 ``meta_info.weight_versions`` (per-token version spans) is always present.
 
+This module holds the app, its lifecycle, auth, ``/generate`` (plain and streamed), the control,
+info and health endpoints and the ``sglang:`` metrics; request parsing and response shapes are in
+:mod:`rollout_server.requests`, the weight endpoints in :mod:`rollout_server.weight_endpoints`.
+
 Run: ``python -m rollout_server.server --model-path DIR [--port P] [--api-key K]
 [--incremental_streaming_output] [--weight-version V]``.
 """
@@ -29,22 +33,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import hmac
 import json
-import math
 import logging
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from asyncrl.aio import wait_event
 from rollout_server.engine import Engine, EngineSample, PromptGroup
+from rollout_server.requests import (
+    IncrementalDetokenizer,
+    decode_output,
+    dumps,
+    error_response,
+    parse_generate,
+    read_json_body,
+    response_object,
+)
 from rollout_server.sampling import RequestError, SamplingParams
+from rollout_server.weight_endpoints import WeightEndpoints, destroy_group
 
 __all__ = ["ServerOptions", "RolloutHTTPServer", "build_app", "main", "VERSION"]
 
@@ -53,16 +64,6 @@ log = logging.getLogger(__name__)
 #: reported as ``version`` by /get_server_info and /v1/loads
 VERSION = "asyncrl-embedded-0.1.0"
 
-_GENERATE_KEYS = {
-    "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "lora_path",
-    "custom_logit_processor", "return_hidden_states", "return_routed_experts", "image_data", "video_data",
-    "audio_data", "session_params", "priority", "extra_key", "routed_dp_rank", "data_parallel_rank",
-    "return_prompt_token_ids", "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "no_logs", "background", "conversation_id", "label",
-}
-_UNSUPPORTED_IF_SET = ("input_embeds", "lora_path", "custom_logit_processor", "image_data", "video_data",
-                       "audio_data", "session_params", "token_ids_logprob")
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 _HEALTH_TIMEOUT_SECONDS = 20.0
 
@@ -100,30 +101,7 @@ class ServerOptions:
         self.skip_tokenizer_init = bool(skip_tokenizer_init)
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _dumps(obj: Any) -> str:
-    """Strict JSON; a NaN/inf (e.g. a ``-inf`` top logprob of a token masked by ``min_new_tokens``)
-    becomes ``null`` instead of an exception that would break a stream mid-response."""
-    try:
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite_or_none(obj), separators=(",", ":"), allow_nan=False)
-
-
-def _finite_or_none(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
-    return obj
-
-
-class RolloutHTTPServer:
+class RolloutHTTPServer(WeightEndpoints):
     """The HTTP layer over one :class:`Engine` (see the module docstring for the API)."""
 
     def __init__(self, opts: ServerOptions, model: Any = None, tokenizer: Any = None, registry: Any = None):
@@ -180,7 +158,7 @@ class RolloutHTTPServer:
         if self.engine is not None:
             await self.loop.run_in_executor(None, self.engine.stop)
         for pg in self._dist_groups.values():
-            _destroy_group(pg)
+            destroy_group(pg)
         self._dist_groups.clear()
 
     def _on_engine_update(self, samples: list[EngineSample]) -> None:
@@ -241,130 +219,15 @@ class RolloutHTTPServer:
 
     # -- /generate ---------------------------------------------------------------------------------
 
-    def _parse_generate(self, body: Any) -> tuple[list[PromptGroup], list[EngineSample], bool, bool]:
-        """Validate a /generate body into prompt groups; returns (groups, samples, is_batch, stream).
-
-        Raises:
-            RequestError: any problem (the message says what to fix).
-        """
-        eng = self.engine
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        unknown = sorted(set(body) - _GENERATE_KEYS)
-        if unknown:
-            raise RequestError(f"unknown field(s) {unknown} in /generate request")
-        for key in _UNSUPPORTED_IF_SET:
-            if body.get(key) not in (None, [], {}):
-                raise RequestError(f"{key} is not supported by the embedded engine")
-        text, input_ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (input_ids is None):
-            raise RequestError("Either text, input_ids or input_embeds should be provided." if text is None else "provide either text or input_ids, not both")
-        if text is not None:
-            if isinstance(text, str):
-                prompts, is_batch = [self._encode(text)], False
-            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                prompts, is_batch = [self._encode(t) for t in text], True
-            else:
-                raise RequestError("text must be a string or a non-empty list of strings")
-        else:
-            if not isinstance(input_ids, list) or not input_ids:
-                raise RequestError("input_ids cannot be empty.")
-            if all(isinstance(t, list) for t in input_ids):
-                prompts, is_batch = input_ids, True
-            else:
-                prompts, is_batch = [input_ids], False
-            for p in prompts:
-                if not p:
-                    raise RequestError("input_ids cannot be empty.")
-                if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    raise RequestError("input_ids must be a list of integers (or a list of such lists)")
-                bad = [t for t in p if not 0 <= t < eng.vocab_size]
-                if bad:
-                    raise RequestError(f"token id {bad[0]} out of range [0, {eng.vocab_size})")
-        nb = len(prompts)
-        sp_raw = body.get("sampling_params")
-        if isinstance(sp_raw, list):
-            if len(sp_raw) != nb:
-                raise RequestError(f"sampling_params has {len(sp_raw)} entries for a batch of {nb}")
-            params = [SamplingParams.from_dict(x, eng.vocab_size) for x in sp_raw]
-        else:
-            params = [SamplingParams.from_dict(sp_raw, eng.vocab_size)] * nb
-        if self._tokenizer is None and any(p.stop or p.min_new_tokens for p in params):
-            raise RequestError("stop strings and min_new_tokens need the tokenizer (server runs --skip-tokenizer-init)")
-        rl = body.get("return_logprob")
-        rl = rl if isinstance(rl, list) else [rl] * nb
-        if len(rl) != nb or not all(x is None or isinstance(x, bool) for x in rl):
-            raise RequestError("return_logprob must be a boolean or a list of booleans matching the batch")
-        lsl = body.get("logprob_start_len")
-        lsl = -1 if lsl is None else lsl
-        if isinstance(lsl, bool) or not isinstance(lsl, int) or lsl < -1:
-            raise RequestError(f"logprob_start_len must be an integer >= -1, got {lsl!r}")
-        tln = body.get("top_logprobs_num") or 0
-        if isinstance(tln, bool) or not isinstance(tln, int) or not 0 <= tln <= eng.vocab_size:
-            raise RequestError(f"top_logprobs_num must be an integer in [0, {eng.vocab_size}], got {tln!r}")
-        stream = body.get("stream") or False
-        if not isinstance(stream, bool):
-            raise RequestError("stream must be true or false")
-        rid = body.get("rid")
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            if len(prompt) >= eng.context_len or len(prompt) + p.max_new_tokens > eng.context_len:
-                raise RequestError(
-                    f"Requested token count exceeds the model's maximum context length of {eng.context_len} tokens. "
-                    f"You requested a total of {len(prompt) + p.max_new_tokens} tokens: {len(prompt)} tokens from the "
-                    f"input and {p.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
-                    "the input or the completion."
-                )
-            if p.n > eng.max_batch_size:
-                raise RequestError(f"n={p.n} exceeds max_running_requests={eng.max_batch_size}")
-        total = sum(p.n for p in params)
-        if rid is None:
-            base = uuid.uuid4().hex
-            rids = [base] if total == 1 else [f"{base}_{i}" for i in range(total)]
-        elif isinstance(rid, str):
-            rids = [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
-        elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
-            if len(rid) != nb:
-                raise RequestError(f"The rid should be a list of length {nb} (batch size), got {len(rid)}")
-            rids = [r if params[i].n == 1 else f"{r}_{j}" for i, r in enumerate(rid) for j in range(params[i].n)]
-        else:
-            raise RequestError("rid must be a string or a list of strings")
-        if len(set(rids)) != len(rids):
-            raise RequestError("Duplicate request IDs in one batch")
-        dup = [r for r in rids if eng.has_rid(r)]
-        if dup:
-            raise RequestError(f"Duplicate request ID {dup[0]!r}: a request with this rid is still running")
-        groups, samples = [], []
-        k = 0
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            group = []
-            for _ in range(p.n):
-                s = EngineSample(
-                    rid=rids[k], prompt_ids=list(prompt), params=p, return_logprob=bool(rl[i]),
-                    top_logprobs_num=tln if rl[i] else 0, logprob_start_len=lsl, index=k,
-                )
-                k += 1
-                group.append(s)
-            groups.append(PromptGroup(list(prompt), group))
-            samples += group
-        return groups, samples, is_batch or total > 1, stream
-
-    def _encode(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            raise RequestError("text input needs a tokenizer; send input_ids")
-        ids = self._tokenizer(text)["input_ids"]
-        if not ids:
-            raise RequestError("text encodes to no tokens")
-        return list(ids)
-
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error("the request body is not valid JSON")
+            return error_response("the request body is not valid JSON")
         try:
-            groups, samples, is_batch, stream = self._parse_generate(body)
+            groups, samples, is_batch, stream = parse_generate(body, self.engine, self._tokenizer)
         except RequestError as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         await self._unpaused.wait()  # new requests wait while the engine is paused
         waiter = asyncio.Event()
         for s in samples:
@@ -385,15 +248,18 @@ class RolloutHTTPServer:
             self._abort_samples(samples)
             raise
         outs = [
-            self._output(s, s.published, 0, final=True, incremental=False,
-                         text_now=self._decode(s, s.output_ids[: s.published[0]], s.published[1]) if self._tokenizer else "")
+            response_object(
+                s, s.published, 0, final=True, incremental=False, with_text=self._tokenizer is not None,
+                current_version=self.engine.weight_version,
+                text_now=decode_output(self._tokenizer, s, s.output_ids[: s.published[0]], s.published[1]) if self._tokenizer else "",
+            )
             for s in samples
         ]
         for s, o in zip(samples, outs):
             status = (s.finish_reason or {}).get("status_code")
             if status in (400, 500, 503) and not is_batch:
                 return web.json_response({"error": {"message": s.finish_reason.get("message", "error")}}, status=status)
-        return web.json_response(outs if is_batch else outs[0], dumps=_dumps)
+        return web.json_response(outs if is_batch else outs[0], dumps=dumps)
 
     def _abort_samples(self, samples: list[EngineSample]) -> None:
         for s in samples:
@@ -406,7 +272,7 @@ class RolloutHTTPServer:
         incremental = self.opts.incremental_streaming_output
         sent = {id(s): 0 for s in samples}
         text_sent = {id(s): "" for s in samples}
-        detok = {id(s): _IncrementalDetokenizer(self._tokenizer, s.params) for s in samples} if self._tokenizer else {}
+        detok = {id(s): IncrementalDetokenizer(self._tokenizer, s.params) for s in samples} if self._tokenizer else {}
         done: set[int] = set()
         multi = len(samples) > 1
         try:
@@ -425,9 +291,10 @@ class RolloutHTTPServer:
                     text_now = ""
                     if self._tokenizer is not None:
                         ids = s.output_ids[:n]
-                        text_now = self._decode(s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
-                    out = self._output(s, (n, fin), start, final=fin is not None, incremental=incremental,
-                                       text_prev=text_sent[id(s)], text_now=text_now)
+                        text_now = decode_output(self._tokenizer, s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
+                    out = response_object(s, (n, fin), start, final=fin is not None, incremental=incremental,
+                                          with_text=self._tokenizer is not None, current_version=self.engine.weight_version,
+                                          text_prev=text_sent[id(s)], text_now=text_now)
                     text_sent[id(s)] = text_now
                     if multi:
                         out["index"] = s.index
@@ -436,7 +303,7 @@ class RolloutHTTPServer:
                         done.add(id(s))
                         if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
                             out = {"error": {"message": fin.get("message", "engine error")}}
-                    chunks.append(b"data: " + _dumps(out).encode() + b"\n\n")
+                    chunks.append(b"data: " + dumps(out).encode() + b"\n\n")
                 if chunks:
                     await resp.write(b"".join(chunks))
             await resp.write(b"data: [DONE]\n\n")
@@ -445,103 +312,28 @@ class RolloutHTTPServer:
             raise
         return resp
 
-    def _output(
-        self, s: EngineSample, snap: tuple, start: int, final: bool, incremental: bool, text_prev: str = "",
-        text_now: str = "",
-    ) -> dict:
-        """One response object (SGLang ``_handle_batch_output`` shape) for tokens ``[start, n)``.
-
-        ``text_now`` is the decoded output so far; in incremental mode ``text`` is its part after
-        ``text_prev`` (what earlier chunks carried).
-        """
-        n, fin = snap
-        ids = s.output_ids[:n]
-        meta: dict[str, Any] = {
-            "id": s.rid,
-            "finish_reason": fin,
-            "prompt_tokens": len(s.prompt_ids),
-            "weight_version": self._weight_version_of(s, n),
-            "num_retractions": s.num_retractions,
-            "completion_tokens": n,
-            "cached_tokens": s.cached_tokens,
-            "weight_versions": _spans(s.version_starts, n),
-        }
-        if final:
-            meta["e2e_latency"] = (s.finished_time or time.time()) - s.created_time
-        if s.return_logprob:
-            lps = s.output_logprobs[:n]
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[start:], ids[start:])]
-            meta["output_token_logprobs_length"] = n - start
-            meta["input_token_logprobs"] = (s.input_token_logprobs or []) if (start == 0 or not incremental) else []
-            if s.top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    [[lp, t, None] for lp, t in (row or [])] for row in s.output_top_logprobs[start:n]
-                ]
-        if incremental:
-            text = text_now[len(text_prev):] if text_now.startswith(text_prev) else ""
-        else:
-            text = text_now
-        out: dict[str, Any] = {"output_ids": ids[start:], "meta_info": meta}
-        if self._tokenizer is not None:
-            out = {"text": text, **out}
-        return out
-
-    def _decode(self, s: EngineSample, ids: list[int], fin: dict | None) -> str:
-        p = s.params
-        if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and not p.no_stop_trim and ids:
-            ids = ids[:-1]
-        text = self._tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
-                                      spaces_between_special_tokens=p.spaces_between_special_tokens)
-        if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), str) and not p.no_stop_trim:
-            pos = text.find(fin["matched"])
-            if pos != -1:
-                text = text[:pos]
-        return text
-
-    def _weight_version_of(self, s: EngineSample, n: int) -> str:
-        spans = s.version_starts
-        if n and spans:
-            last = [v for v, st in spans if st < n]
-            if last:
-                return last[-1]
-        return self.engine.weight_version
-
     # -- abort / pause ------------------------------------------------------------------------------
-
-    async def _json_body(self, request: web.Request, allow_empty: bool = True) -> dict:
-        raw = await request.read()
-        if not raw.strip():
-            if allow_empty:
-                return {}
-            raise RequestError("the request body must be a JSON object")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RequestError("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
 
     async def handle_abort(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json_body(request)
+            body = await read_json_body(request)
             rid = body.get("rid", "") or ""
             abort_all = body.get("abort_all", False)
             if not isinstance(rid, str) or not isinstance(abort_all, bool):
                 raise RequestError("abort_request takes {'rid': str, 'abort_all': bool}")
         except RequestError as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         self.engine.abort(rid, abort_all)
         return web.Response(status=200)
 
     async def handle_pause(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json_body(request)
+            body = await read_json_body(request)
             mode = body.get("mode", "abort") or "abort"
             if mode not in ("abort", "retract", "in_place"):
                 raise RequestError(f"mode must be one of abort, retract, in_place; got {mode!r}")
         except RequestError as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         self._unpaused.clear()
         self._paused_mode = mode
         await asyncio.wrap_future(self.engine.call("pause", mode))
@@ -549,162 +341,13 @@ class RolloutHTTPServer:
 
     async def handle_continue(self, request: web.Request) -> web.Response:
         try:
-            await self._json_body(request)
+            await read_json_body(request)
         except RequestError as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         await asyncio.wrap_future(self.engine.call("resume"))
         self._paused_mode = None
         self._unpaused.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-    # -- weights ------------------------------------------------------------------------------------
-
-    async def _apply_weights(self, state: dict, version: Any, abort_all: bool) -> web.Response:
-        from rollout_server.weights import WeightLoadError
-
-        try:
-            res = await asyncio.wrap_future(
-                self.engine.call("update_weights", state, None if version is None else str(version), bool(abort_all))
-            )
-        except (RequestError, WeightLoadError) as exc:
-            return web.json_response({"success": False, "message": f"Failed to update weights: {exc}"}, status=400)
-        msg = "Succeeded to update model weights."
-        if version is not None:
-            msg += f" Weight version updated to {version}."
-        if self.rollout_metrics is not None:
-            try:
-                self.rollout_metrics.policy_version.set(int(version))
-            except (TypeError, ValueError):
-                pass
-        return web.json_response({"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"]})
-
-    def _update_args(self, body: dict, required: str) -> tuple[Any, bool]:
-        if required and required not in body:
-            raise RequestError(f"missing required field {required!r}")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, (str, int)):
-            raise RequestError("weight_version must be a string")
-        abort_all = body.get("abort_all_requests", False)
-        if not isinstance(abort_all, bool):
-            raise RequestError("abort_all_requests must be true or false")
-        return version, abort_all
-
-    async def handle_update_from_disk(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import WeightLoadError, load_state_dict_from_dir
-
-        try:
-            body = await self._json_body(request, allow_empty=False)
-            version, abort_all = self._update_args(body, "model_path")
-            if body.get("load_format") not in (None, "auto", "safetensors"):
-                raise RequestError(f"load_format {body['load_format']!r} is not supported (use safetensors)")
-            path = body["model_path"]
-            if not isinstance(path, str) or not path:
-                raise RequestError("model_path must be a directory path")
-        except RequestError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        async with self._weights_lock:
-            try:
-                state = await self.loop.run_in_executor(None, load_state_dict_from_dir, path)
-            except WeightLoadError as exc:
-                return web.json_response({"success": False, "message": f"Failed to get weights iterator: {exc}"}, status=400)
-            return await self._apply_weights(state, version, abort_all)
-
-    async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import WeightLoadError, decode_safetensors_payload
-
-        try:
-            body = await self._json_body(request, allow_empty=False)
-            version, abort_all = self._update_args(body, "serialized_named_tensors")
-            blobs = body["serialized_named_tensors"]
-            if isinstance(blobs, str):
-                blobs = [blobs]
-            if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
-                raise RequestError("serialized_named_tensors must be a list of base64 safetensors payloads")
-            if body.get("load_format") not in (None, "safetensors", "direct"):
-                raise RequestError(f"load_format {body['load_format']!r} is not supported (base64 safetensors only)")
-        except RequestError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        async with self._weights_lock:
-            try:
-                state = await self.loop.run_in_executor(None, decode_safetensors_payload, blobs)
-            except WeightLoadError as exc:
-                return web.json_response({"success": False, "message": str(exc)}, status=400)
-            return await self._apply_weights(state, version, abort_all)
-
-    async def handle_init_group(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import init_weights_update_group
-
-        try:
-            body = await self._json_body(request, allow_empty=False)
-            for key in ("master_address", "master_port", "rank_offset", "world_size"):
-                if key not in body:
-                    raise RequestError(f"missing required field {key!r}")
-            backend = body.get("backend", "nccl")
-            if backend != "gloo":
-                raise RequestError(f"backend {backend!r} is not available on the CPU engine: use gloo")
-            name = body.get("group_name", "weight_update_group")
-            if name in self._dist_groups:
-                raise RequestError(f"weight update group {name!r} already exists")
-        except RequestError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        try:
-            pg = await self.loop.run_in_executor(
-                None, init_weights_update_group, body["master_address"], int(body["master_port"]),
-                int(body["rank_offset"]), int(body["world_size"]), name, backend,
-            )
-        except Exception as exc:  # rendezvous failure, timeout
-            return web.json_response({"success": False, "message": f"Failed to init group: {exc}"}, status=400)
-        self._dist_groups[name] = pg
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def handle_update_from_distributed(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import WeightLoadError, receive_broadcast_weights
-
-        try:
-            body = await self._json_body(request, allow_empty=False)
-            version, abort_all = self._update_args(body, "names")
-            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not (
-                len(names) == len(dtypes) == len(shapes)
-            ):
-                raise RequestError("names, dtypes and shapes must be lists of equal length")
-            name = body.get("group_name", "weight_update_group")
-            pg = self._dist_groups.get(name)
-            if pg is None:
-                raise RequestError(f"no weight update group {name!r}: call /init_weights_update_group first")
-        except RequestError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        async with self._weights_lock:
-            try:
-                state = await self.loop.run_in_executor(None, receive_broadcast_weights, pg, names, dtypes, shapes)
-            except (WeightLoadError, RuntimeError) as exc:
-                return web.json_response({"success": False, "message": f"Failed to receive weights: {exc}"}, status=400)
-            return await self._apply_weights(state, version, abort_all)
-
-    async def handle_destroy_group(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json_body(request)
-        except RequestError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        name = body.get("group_name", "weight_update_group")
-        pg = self._dist_groups.pop(name, None)
-        if pg is None:
-            return web.json_response({"success": False, "message": f"no weight update group {name!r}"}, status=400)
-        _destroy_group(pg)
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
-
-    async def handle_update_weight_version(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json_body(request, allow_empty=False)
-            v = body.get("new_version")
-            if not isinstance(v, (str, int)) or isinstance(v, bool):
-                raise RequestError("new_version must be a string")
-        except RequestError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        if body.get("abort_all_requests", True):
-            self.engine.abort("", True)
-        await asyncio.wrap_future(self.engine.call("set_version", str(v)))
-        return web.json_response({"success": True, "message": f"Weight version updated to {v}", "new_version": str(v)})
 
     # -- info / health ------------------------------------------------------------------------------
 
@@ -827,33 +470,6 @@ class RolloutHTTPServer:
         return app
 
 
-class _IncrementalDetokenizer:
-    """Decodes a growing token list in O(length) total work (vLLM/SGLang's offsets scheme).
-
-    Each call decodes only the tokens since the last emitted text plus one window of context,
-    and holds back an incomplete UTF-8 sequence (a trailing U+FFFD) until it completes.
-    """
-
-    def __init__(self, tokenizer: Any, params: SamplingParams):
-        self.tok = tokenizer
-        self.kw = {"skip_special_tokens": params.skip_special_tokens,
-                   "spaces_between_special_tokens": params.spaces_between_special_tokens}
-        self.prefix = 0
-        self.read = 0
-        self.text = ""
-
-    def feed(self, ids: list[int]) -> str:
-        """The text of ``ids`` (which extends the previous call's list) as far as it is final."""
-        if len(ids) <= self.read:
-            return self.text
-        before = self.tok.decode(ids[self.prefix : self.read], **self.kw)
-        after = self.tok.decode(ids[self.prefix :], **self.kw)
-        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
-            self.text += after[len(before) :]
-            self.prefix, self.read = self.read, len(ids)
-        return self.text
-
-
 class _EngineCollector:
     """Exports SGLang's ``sglang:`` engine gauges and counters from the engine's statistics."""
 
@@ -893,26 +509,6 @@ class _EngineCollector:
             c = CounterMetricFamily(f"sglang:{key}", doc, labels=["model_name"])
             c.add_metric([name], float(eng.stats[stat]))
             yield c
-
-
-def _spans(version_starts: list[tuple[str, int]], n: int) -> list[dict]:
-    """Half-open output-index spans of each weight version, clipped to ``n`` tokens."""
-    out = []
-    for i, (v, st) in enumerate(version_starts):
-        if st >= n:
-            break
-        end = version_starts[i + 1][1] if i + 1 < len(version_starts) else n
-        out.append({"version": v, "start": st, "end": min(end, n)})
-    return out
-
-
-def _destroy_group(pg: Any) -> None:
-    try:
-        import torch.distributed as dist
-
-        dist.destroy_process_group(pg)
-    except Exception:  # best effort at shutdown
-        log.debug("destroying weight update group failed", exc_info=True)
 
 
 def build_app(opts: ServerOptions, model: Any = None, tokenizer: Any = None) -> tuple[web.Application, RolloutHTTPServer]:

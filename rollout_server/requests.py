@@ -1,0 +1,311 @@
+"""What the embedded server reads and writes: /generate parsing, response objects, JSON bodies, detokenizing.
+
+One job: the shapes of SGLang's native API (``sglang_api.md`` §7) as the embedded engine
+speaks it. :func:`parse_generate` validates a ``/generate`` body into prompt groups (any
+problem is a :class:`RequestError`, a 400 before anything reaches the engine);
+:func:`response_object` shapes one output (``_handle_batch_output``'s shape, with ``[logprob,
+id, null]`` triples and per-token weight-version spans); :class:`IncrementalDetokenizer`
+decodes a growing stream in O(length) total work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from rollout_server.engine import Engine, EngineSample, PromptGroup
+from rollout_server.sampling import RequestError, SamplingParams
+
+__all__ = [
+    "GENERATE_KEYS",
+    "IncrementalDetokenizer",
+    "decode_output",
+    "dumps",
+    "encode_text",
+    "error_response",
+    "parse_generate",
+    "read_json_body",
+    "response_object",
+    "version_spans",
+    "weight_version_of",
+]
+
+#: every field SGLang's ``GenerateReqInput`` accepts; others are a 400
+GENERATE_KEYS = {
+    "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "lora_path",
+    "custom_logit_processor", "return_hidden_states", "return_routed_experts", "image_data", "video_data",
+    "audio_data", "session_params", "priority", "extra_key", "routed_dp_rank", "data_parallel_rank",
+    "return_prompt_token_ids", "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "no_logs", "background", "conversation_id", "label",
+}
+#: fields the embedded engine refuses (400) when they are set
+UNSUPPORTED_IF_SET = ("input_embeds", "lora_path", "custom_logit_processor", "image_data", "video_data",
+                      "audio_data", "session_params", "token_ids_logprob")
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    """SGLang's error shape: ``{"error": {"message": ...}}``."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def dumps(obj: Any) -> str:
+    """Strict JSON; a NaN/inf (e.g. a ``-inf`` top logprob of a token masked by ``min_new_tokens``)
+    becomes ``null`` instead of an exception that would break a stream mid-response."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite_or_none(obj), separators=(",", ":"), allow_nan=False)
+
+
+def _finite_or_none(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+async def read_json_body(request: web.Request, allow_empty: bool = True) -> dict:
+    """The body of a control request as a JSON object (``{}`` for an empty body if ``allow_empty``).
+
+    Raises:
+        RequestError: not JSON, or not an object.
+    """
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise RequestError("the request body must be a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[PromptGroup], list[EngineSample], bool, bool]:
+    """Validate a /generate body into prompt groups; returns (groups, samples, is_batch, stream).
+
+    Raises:
+        RequestError: any problem (the message says what to fix).
+    """
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = sorted(set(body) - GENERATE_KEYS)
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown} in /generate request")
+    for key in UNSUPPORTED_IF_SET:
+        if body.get(key) not in (None, [], {}):
+            raise RequestError(f"{key} is not supported by the embedded engine")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("Either text, input_ids or input_embeds should be provided." if text is None else "provide either text or input_ids, not both")
+    if text is not None:
+        if isinstance(text, str):
+            prompts, is_batch = [encode_text(tokenizer, text)], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            prompts, is_batch = [encode_text(tokenizer, t) for t in text], True
+        else:
+            raise RequestError("text must be a string or a non-empty list of strings")
+    else:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids cannot be empty.")
+        if all(isinstance(t, list) for t in input_ids):
+            prompts, is_batch = input_ids, True
+        else:
+            prompts, is_batch = [input_ids], False
+        for p in prompts:
+            if not p:
+                raise RequestError("input_ids cannot be empty.")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise RequestError("input_ids must be a list of integers (or a list of such lists)")
+            bad = [t for t in p if not 0 <= t < eng.vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]} out of range [0, {eng.vocab_size})")
+    nb = len(prompts)
+    sp_raw = body.get("sampling_params")
+    if isinstance(sp_raw, list):
+        if len(sp_raw) != nb:
+            raise RequestError(f"sampling_params has {len(sp_raw)} entries for a batch of {nb}")
+        params = [SamplingParams.from_dict(x, eng.vocab_size) for x in sp_raw]
+    else:
+        params = [SamplingParams.from_dict(sp_raw, eng.vocab_size)] * nb
+    if tokenizer is None and any(p.stop or p.min_new_tokens for p in params):
+        raise RequestError("stop strings and min_new_tokens need the tokenizer (server runs --skip-tokenizer-init)")
+    rl = body.get("return_logprob")
+    rl = rl if isinstance(rl, list) else [rl] * nb
+    if len(rl) != nb or not all(x is None or isinstance(x, bool) for x in rl):
+        raise RequestError("return_logprob must be a boolean or a list of booleans matching the batch")
+    lsl = body.get("logprob_start_len")
+    lsl = -1 if lsl is None else lsl
+    if isinstance(lsl, bool) or not isinstance(lsl, int) or lsl < -1:
+        raise RequestError(f"logprob_start_len must be an integer >= -1, got {lsl!r}")
+    tln = body.get("top_logprobs_num") or 0
+    if isinstance(tln, bool) or not isinstance(tln, int) or not 0 <= tln <= eng.vocab_size:
+        raise RequestError(f"top_logprobs_num must be an integer in [0, {eng.vocab_size}], got {tln!r}")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false")
+    rid = body.get("rid")
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        if len(prompt) >= eng.context_len or len(prompt) + p.max_new_tokens > eng.context_len:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {eng.context_len} tokens. "
+                f"You requested a total of {len(prompt) + p.max_new_tokens} tokens: {len(prompt)} tokens from the "
+                f"input and {p.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+                "the input or the completion."
+            )
+        if p.n > eng.max_batch_size:
+            raise RequestError(f"n={p.n} exceeds max_running_requests={eng.max_batch_size}")
+    total = sum(p.n for p in params)
+    if rid is None:
+        base = uuid.uuid4().hex
+        rids = [base] if total == 1 else [f"{base}_{i}" for i in range(total)]
+    elif isinstance(rid, str):
+        rids = [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
+    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) != nb:
+            raise RequestError(f"The rid should be a list of length {nb} (batch size), got {len(rid)}")
+        rids = [r if params[i].n == 1 else f"{r}_{j}" for i, r in enumerate(rid) for j in range(params[i].n)]
+    else:
+        raise RequestError("rid must be a string or a list of strings")
+    if len(set(rids)) != len(rids):
+        raise RequestError("Duplicate request IDs in one batch")
+    dup = [r for r in rids if eng.has_rid(r)]
+    if dup:
+        raise RequestError(f"Duplicate request ID {dup[0]!r}: a request with this rid is still running")
+    groups, samples = [], []
+    k = 0
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        group = []
+        for _ in range(p.n):
+            s = EngineSample(
+                rid=rids[k], prompt_ids=list(prompt), params=p, return_logprob=bool(rl[i]),
+                top_logprobs_num=tln if rl[i] else 0, logprob_start_len=lsl, index=k,
+            )
+            k += 1
+            group.append(s)
+        groups.append(PromptGroup(list(prompt), group))
+        samples += group
+    return groups, samples, is_batch or total > 1, stream
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    if tokenizer is None:
+        raise RequestError("text input needs a tokenizer; send input_ids")
+    ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise RequestError("text encodes to no tokens")
+    return list(ids)
+
+
+def response_object(
+    s: EngineSample, snap: tuple, start: int, final: bool, incremental: bool, *, with_text: bool,
+    current_version: str, text_prev: str = "", text_now: str = "",
+) -> dict:
+    """One response object (SGLang ``_handle_batch_output`` shape) for tokens ``[start, n)``.
+
+    ``text_now`` is the decoded output so far; in incremental mode ``text`` is its part after
+    ``text_prev`` (what earlier chunks carried). ``with_text``: the server has a tokenizer (the
+    object carries ``text``); ``current_version``: the engine's weight version now.
+    """
+    n, fin = snap
+    ids = s.output_ids[:n]
+    meta: dict[str, Any] = {
+        "id": s.rid,
+        "finish_reason": fin,
+        "prompt_tokens": len(s.prompt_ids),
+        "weight_version": weight_version_of(s, n, current_version),
+        "num_retractions": s.num_retractions,
+        "completion_tokens": n,
+        "cached_tokens": s.cached_tokens,
+        "weight_versions": version_spans(s.version_starts, n),
+    }
+    if final:
+        meta["e2e_latency"] = (s.finished_time or time.time()) - s.created_time
+    if s.return_logprob:
+        lps = s.output_logprobs[:n]
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[start:], ids[start:])]
+        meta["output_token_logprobs_length"] = n - start
+        meta["input_token_logprobs"] = (s.input_token_logprobs or []) if (start == 0 or not incremental) else []
+        if s.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [[lp, t, None] for lp, t in (row or [])] for row in s.output_top_logprobs[start:n]
+            ]
+    if incremental:
+        text = text_now[len(text_prev):] if text_now.startswith(text_prev) else ""
+    else:
+        text = text_now
+    out: dict[str, Any] = {"output_ids": ids[start:], "meta_info": meta}
+    if with_text:
+        out = {"text": text, **out}
+    return out
+
+def decode_output(tokenizer: Any, s: EngineSample, ids: list[int], fin: dict | None) -> str:
+    """The text of output ``ids``, with a matched stop token or stop string trimmed unless ``no_stop_trim``."""
+    p = s.params
+    if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and not p.no_stop_trim and ids:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
+                             spaces_between_special_tokens=p.spaces_between_special_tokens)
+    if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), str) and not p.no_stop_trim:
+        pos = text.find(fin["matched"])
+        if pos != -1:
+            text = text[:pos]
+    return text
+
+def weight_version_of(s: EngineSample, n: int, current_version: str) -> str:
+    """The weight version of the last of the first ``n`` output tokens (``current_version`` if none)."""
+    spans = s.version_starts
+    if n and spans:
+        last = [v for v, st in spans if st < n]
+        if last:
+            return last[-1]
+    return current_version
+
+
+def version_spans(version_starts: list[tuple[str, int]], n: int) -> list[dict]:
+    """Half-open output-index spans of each weight version, clipped to ``n`` tokens."""
+    out = []
+    for i, (v, st) in enumerate(version_starts):
+        if st >= n:
+            break
+        end = version_starts[i + 1][1] if i + 1 < len(version_starts) else n
+        out.append({"version": v, "start": st, "end": min(end, n)})
+    return out
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list in O(length) total work (vLLM/SGLang's offsets scheme).
+
+    Each call decodes only the tokens since the last emitted text plus one window of context,
+    and holds back an incomplete UTF-8 sequence (a trailing U+FFFD) until it completes.
+    """
+
+    def __init__(self, tokenizer: Any, params: SamplingParams):
+        self.tok = tokenizer
+        self.kw = {"skip_special_tokens": params.skip_special_tokens,
+                   "spaces_between_special_tokens": params.spaces_between_special_tokens}
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def feed(self, ids: list[int]) -> str:
+        """The text of ``ids`` (which extends the previous call's list) as far as it is final."""
+        if len(ids) <= self.read:
+            return self.text
+        before = self.tok.decode(ids[self.prefix : self.read], **self.kw)
+        after = self.tok.decode(ids[self.prefix :], **self.kw)
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(ids)
+        return self.text
