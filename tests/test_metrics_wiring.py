@@ -59,7 +59,7 @@ def test_checkpoints_are_timed_and_a_failed_write_is_counted(tmp_path, tiny_mode
 
 def test_batch_former_observes_the_staleness_of_every_sample():
     from asyncrl.types import Batch, BatchGroup, PromptGroup, Sample
-    from trainer.cli import BufferBatchSource
+    from trainer.sources import BufferBatchSource
 
     reg = CollectorRegistry()
     source = BufferBatchSource(buf=None)

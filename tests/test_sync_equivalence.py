@@ -10,7 +10,7 @@ asyncrl side (all real components): a real redis-server (fixture), the real repl
 real ``asyncrl rollout-server`` process (the embedded torch engine behind real HTTP + the real
 rollout worker, scoring with ``rollout_worker_rewards:length_reward``), and the real
 :class:`trainer.trainer.Trainer` (DeepSpeed, fp32, ZeRO 0, gloo) driven by the real
-:func:`trainer.loop.train_loop` through the real :class:`trainer.cli.BufferBatchSource`. The
+:func:`trainer.loop.train_loop` through the real :class:`trainer.sources.BufferBatchSource`. The
 test only *records*: each batch handed to the trainer (a subclass of the source that keeps a
 copy), each step's micro-batches (a wrapper that keeps the plan ``begin_step`` returned) and
 each step's metrics (the loop's history). Prompts are the run's arithmetic prompts, fed with
@@ -104,7 +104,7 @@ def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], 
     from asyncrl.tasks import TrainPromptStream
     from buffers import BufferSettings, ReplayBuffer
     from trainer.batch import TrainGroup
-    from trainer.cli import BufferBatchSource
+    from trainer.sources import BufferBatchSource
     from trainer.loop import train_loop
     from trainer.trainer import Trainer
 

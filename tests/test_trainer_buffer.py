@@ -9,7 +9,7 @@ from asyncrl.config import load_config
 from asyncrl.types import WorkKind
 from buffers import BufferSettings, ReplayBuffer
 from trainer.batch import TrainGroup, prepare_batch
-from trainer.cli import BufferBatchSource
+from trainer.sources import BufferBatchSource
 
 
 async def test_buffer_batches_feed_the_trainer_and_acks_commit_announce(redis_url):

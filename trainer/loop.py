@@ -14,7 +14,8 @@ Batch sources (rank 0 only) satisfy :class:`trainer.batch.BatchSource`:
 ``next_batch(step)`` (plain or async; ``step`` is the 1-based number of the step about to be
 trained) returns a list of prompt groups, an object with ``.groups`` (``asyncrl.types.Batch``),
 or None when exhausted; ``acknowledge(step)`` after the step; optional ``commit(step)`` after
-a checkpoint and ``state_dict()`` (dataset cursor, stored in checkpoints).
+a checkpoint and ``state_dict()`` (dataset cursor, stored in checkpoints). The sources are in
+:mod:`trainer.sources` (``ListBatchSource`` and ``FileBatchSource`` also import from here).
 
 SIGTERM / SIGINT (:func:`install_signal_handlers`): the flag is read between steps; the
 current step is finished, a checkpoint is written, and the loop returns normally (exit 0).
@@ -32,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer.sources import FileBatchSource, ListBatchSource
 
 __all__ = ["PhaseTimer", "LoopResult", "train_loop", "install_signal_handlers", "ListBatchSource", "FileBatchSource"]
 
@@ -87,65 +90,6 @@ class LoopResult:
     steps: int
     reason: str
     history: list[dict[str, float]] = field(default_factory=list)
-
-
-class ListBatchSource:
-    """A batch source over an in-memory list of batches (tests, benchmarks, replaying a file).
-
-    ``acknowledged`` records ``(step, group ids)``; the cursor is the index of the next batch.
-    """
-
-    def __init__(self, batches: list[list[Any]]):
-        self.batches = list(batches)
-        self.cursor = 0
-        self.acknowledged: list[tuple[int, list[str]]] = []
-        self.committed: list[int] = []
-        self._last: list[Any] | None = None
-
-    def next_batch(self, step: int) -> list[Any] | None:
-        if self.cursor >= len(self.batches):
-            return None
-        self._last = self.batches[self.cursor]
-        self.cursor += 1
-        return self._last
-
-    def acknowledge(self, step: int) -> None:
-        from trainer.batch import TrainGroup
-
-        self.acknowledged.append((step, [TrainGroup.from_record(g).group_id for g in self._last or []]))
-
-    def commit(self, step: int) -> None:
-        self.committed.append(step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.cursor = int(state.get("cursor", 0))
-
-
-class FileBatchSource(ListBatchSource):
-    """Batches from a JSONL file: one train batch per line, a list of groups
-    (``{"group_id", "prompt_ids", "samples": [{"sample_id", "index", "response_ids",
-    "behaviour_logprobs", "versions", "finish_reason", "reward"}]}``).
-
-    Raises:
-        ValueError: a line that is not a JSON list (the message names the line).
-    """
-
-    def __init__(self, path: Path | str):
-        batches = []
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-            if not isinstance(data, list):
-                raise ValueError(f"{path}:{n}: a batch must be a JSON list of prompt groups")
-            batches.append(data)
-        super().__init__(batches)
 
 
 def install_signal_handlers(stop: threading.Event) -> None:

@@ -1,0 +1,80 @@
+"""The trainer role: build the trainer, restore its checkpoint, rewind the buffer, run the loop.
+
+One job: :func:`run_trainer`, what ``asyncrl trainer`` runs once its command line is parsed
+(:mod:`trainer.cli`), on every rank. On start the newest checkpoint in ``<run_dir>/checkpoints``
+is restored and the buffer is rewound to it (``recover``: ARCHITECTURE §6); with no checkpoint
+the buffer is rewound to step 0, version 0. SIGTERM/SIGINT: the current step finishes, a
+checkpoint is written, exit 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+__all__ = ["run_trainer"]
+
+
+def run_trainer(cfg: Any, replay: str | None) -> int:
+    """Train on batches from the buffer (or replayed from the JSONL file ``replay``); returns the exit code."""
+    from trainer.loop import install_signal_handlers, train_loop
+    from trainer.sources import BufferBatchSource, FileBatchSource
+    from trainer.trainer import Trainer
+
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    holder: dict[str, Any] = {}
+
+    def announce(version: int, uri: str, checksum: str):
+        src = holder.get("source")
+        return src.announce(version, uri, checksum) if hasattr(src, "announce") else None
+
+    trainer = Trainer(cfg, announce=announce)
+    source = None
+    try:
+        if trainer.rank == 0:
+            try:
+                source = FileBatchSource(replay) if replay else trainer.run_async(BufferBatchSource.open(cfg, stop))
+            except (ValueError, OSError) as exc:
+                print(f"asyncrl trainer: {exc}", file=sys.stderr)
+                return 2
+            holder["source"] = source
+        extra = trainer.load_checkpoint()
+        if trainer.rank == 0:
+            if extra is not None and hasattr(source, "load_state_dict"):
+                source.load_state_dict(extra)
+            if hasattr(source, "recover"):
+                # Always, also without a checkpoint: a trainer that died before its first
+                # checkpoint may have acknowledged steps and moved the clock; it restarts from
+                # step 0 at version 0 (a new lineage when the clock had moved). On a fresh
+                # buffer this changes nothing.
+                result = trainer.run_async(source.recover(trainer.step, trainer.published_version)) or {}
+                trainer.lineage = int(result.get("lineage", trainer.lineage))
+        metrics = None
+        if trainer.rank == 0 and cfg.monitoring.trainer_metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+
+            from asyncrl.metrics import BufferMetrics, TrainerMetrics, build_info, start_metrics_server
+
+            reg = CollectorRegistry()
+            build_info(reg, "trainer")
+            metrics = TrainerMetrics(reg)
+            if isinstance(source, BufferBatchSource):
+                source.buffer_metrics = BufferMetrics(reg)
+                source.buffer_metrics.set_bounds(cfg.buffer.max_staleness, cfg.rollout.rollout_batch_size)
+            start_metrics_server(reg, cfg.monitoring.trainer_metrics_port, host=cfg.monitoring.metrics_host)
+        result = train_loop(trainer, source, stop=stop, metrics=metrics,
+                            on_step=lambda r: print(_line(r), flush=True) if trainer.rank == 0 else None)
+        if trainer.rank == 0:
+            print(f"asyncrl trainer: {result.steps} steps, stopped because {result.reason}; step {trainer.step}", flush=True)
+        return 0
+    finally:
+        if source is not None and hasattr(source, "close"):
+            trainer.run_async(source.close())
+        trainer.close()
+
+
+def _line(r: dict[str, float]) -> str:
+    keys = ("step", "loss", "reward_mean", "grad_norm", "lr", "clip_fraction", "importance_weight_mean", "staleness_max")
+    return "step " + " ".join(f"{k}={r[k]:.4g}" for k in keys if k in r)
