@@ -30,12 +30,8 @@ from the dataset cursor stored in Redis (no prompt repeated or skipped), the tra
 newest checkpoint, and the training wall clock from where it stopped. Starting a new run in an
 existing run directory is refused unless ``--overwrite`` is given.
 
-**Default core split** (``resources.rollout_cores``/``trainer_cores`` override it): with the
-asynchronous knobs on, the trainer gets the upper half of the cores (at least one) and the
-rollout servers the rest, split evenly between servers — on 2 cores: rollout core 0,
-trainer core 1. A synchronous config (``p = 1``, ``M ≥ max_response_len``, ``η = 0``) gives
-every role all cores, since generation and training alternate. The feeder and controller are
-light and not pinned; each role's torch threads = its number of cores.
+Core split: :mod:`asyncrl.resources` (on 2 cores with the asynchronous knobs on: rollout core
+0, trainer core 1; a synchronous config gives every role all cores).
 
 Run directory: ``config.yaml``, ``clock.json``, ``run_state.json`` (status, step, wall
 seconds), ``metrics-<role>.jsonl``, ``logs/<role>.log``, ``redis/``, ``checkpoints/``,
@@ -55,13 +51,13 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.resources import Assignment
 
 __all__ = [
-    "Assignment",
-    "assign_resources",
     "normalize_trainer_record",
     "reconcile_groups",
     "parse_controller_flags",
@@ -91,7 +87,7 @@ class _ForceStop(BaseException):
 
 
 # ----------------------------------------------------------------------------------------------
-# flags, run directory, resources
+# flags, run directory
 
 
 def parse_controller_flags(argv: list[str]) -> tuple[Path | None, bool, list[str]]:
@@ -163,92 +159,6 @@ def resolve_run(argv: list[str]) -> tuple[Any, bool] | int:
             return 2
         shutil.rmtree(run_dir)
     return cfg, False
-
-
-@dataclass
-class Assignment:
-    """Cores and GPUs of each role (None: not pinned / not set).
-
-    Attributes:
-        rollout_cores: one core list per rollout server.
-        trainer_cores: cores shared by the trainer ranks.
-        rollout_gpus: one GPU list per rollout server.
-        trainer_gpus: GPUs of the trainer ranks.
-        eval_threads: torch threads of the held-out evaluation (all cores; roles are paused).
-        rollout_nice, trainer_nice: nice values of the roles (``resources.core_sharing``).
-    """
-
-    rollout_cores: list[list[int] | None]
-    trainer_cores: list[int] | None
-    rollout_gpus: list[list[int] | None]
-    trainer_gpus: list[int] | None
-    eval_threads: int
-    rollout_nice: int = 0
-    trainer_nice: int = 0
-
-    def describe(self) -> str:
-        """One line for the log: ``rollout-0 cores [0]; trainer cores [1]`` (``, nice 19`` when lowered)."""
-        nice = (lambda n: f", nice {n}" if n else "")  # noqa: E731
-        parts = [f"rollout-{i} cores {c if c is not None else 'all'}{nice(self.rollout_nice)}"
-                 for i, c in enumerate(self.rollout_cores)]
-        parts.append(f"trainer cores {self.trainer_cores if self.trainer_cores is not None else 'all'}"
-                     f"{nice(self.trainer_nice)}")
-        if self.trainer_gpus is not None:
-            parts.append(f"trainer gpus {self.trainer_gpus}")
-        if any(g is not None for g in self.rollout_gpus):
-            parts.append("rollout gpus " + ", ".join(str(g) for g in self.rollout_gpus))
-        return "; ".join(parts)
-
-
-def assign_resources(cfg: Any, available: list[int] | None = None, num_rollout: int | None = None) -> Assignment:
-    """Split cores (and GPUs) between the roles; see the module docstring for the default.
-
-    Args:
-        cfg: the run config (``resources.*``, ``rollout.num_servers``, the three knobs).
-        available: usable core ids (default: this process's affinity).
-        num_rollout: rollout server processes (default: ``len(server_urls)`` or ``num_servers``).
-
-    Raises:
-        ControllerError: a configured core is not available, or a role got an empty list.
-    """
-    from asyncrl.supervisor import split_cores
-
-    cores = sorted(available if available is not None else os.sched_getaffinity(0))
-    n = num_rollout or (len(cfg.rollout.server_urls) or cfg.rollout.num_servers)
-    res = cfg.resources
-    for name in ("rollout_cores", "trainer_cores"):
-        chosen = getattr(res, name)
-        if chosen is not None:
-            missing = sorted(set(chosen) - set(cores))
-            if not chosen or missing:
-                raise ControllerError(f"resources.{name}={chosen}: cores {missing or chosen} are not available "
-                                      f"(this machine offers {cores})")
-    rollout_nice = trainer_nice = 0
-    if res.rollout_cores is not None or res.trainer_cores is not None:
-        rollout = res.rollout_cores or cores
-        trainer = res.trainer_cores or cores
-    elif cfg.is_synchronous or len(cores) == 1:
-        rollout, trainer = cores, cores
-    elif res.core_sharing != "split":
-        # every role on every core; an idle role's threads sleep and hold nothing
-        rollout, trainer = cores, cores
-        rollout_nice = 19 if res.core_sharing == "trainer_first" else 0
-        trainer_nice = 19 if res.core_sharing == "rollout_first" else 0
-    else:
-        k = max(1, len(cores) // 2)
-        trainer, rollout = cores[-k:], cores[:-k]
-    rollout_gpus: list[list[int] | None] = [None] * n
-    if res.rollout_gpus is not None:
-        rollout_gpus = [list(g) for g in split_cores(list(res.rollout_gpus), n)] if res.rollout_gpus else [[]] * n
-    return Assignment(
-        rollout_cores=[list(c) for c in split_cores(list(rollout), n)],
-        trainer_cores=list(trainer),
-        rollout_gpus=rollout_gpus,
-        trainer_gpus=list(res.trainer_gpus) if res.trainer_gpus is not None else None,
-        eval_threads=len(cores),
-        rollout_nice=rollout_nice,
-        trainer_nice=trainer_nice,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -934,6 +844,7 @@ class Controller:
 
     async def run(self) -> int:
         from asyncrl.cpu_share import CpuShareSampler
+        from asyncrl.resources import assign_resources
         from asyncrl.progress import Progress
         from asyncrl.redis_server import RedisServerError
         from asyncrl.supervisor import Supervisor, SupervisorError

@@ -13,11 +13,11 @@ import pytest
 from asyncrl.config import ConfigError, dump_config, load_config
 from asyncrl.controller import (
     ControllerError,
-    assign_resources,
     normalize_trainer_record,
     parse_controller_flags,
     resolve_run,
 )
+from asyncrl.resources import assign_resources
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"

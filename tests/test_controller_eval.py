@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.controller import Controller, assign_resources
+from asyncrl.controller import Controller
 from asyncrl.progress import Progress
+from asyncrl.resources import assign_resources
 from asyncrl.supervisor import RoleSpec, Supervisor
 from asyncrl.tracking import MetricsLogger, read_metrics
 
