@@ -619,6 +619,8 @@ class Controller:
         self._write_state("starting")
 
     def _start_redis(self) -> None:
+        from asyncrl.redis_server import make_embedded_redis
+
         if self.cfg.buffer.redis_url:
             self.redis_url = self.cfg.buffer.redis_url
             return
@@ -626,7 +628,7 @@ class Controller:
         if self.redis is not None:
             port = self.redis.port  # restart on the same port and password (children keep their URL)
         password = self.redis.password if self.redis is not None else self.cfg.security.redis_password
-        self.redis = _make_embedded_redis(self.run_dir / "redis", port, password).start()
+        self.redis = make_embedded_redis(self.run_dir / "redis", port, password).start()
         self.redis_url = self.redis.url
 
     def _child_env(self) -> dict[str, str]:
@@ -647,6 +649,7 @@ class Controller:
 
     def role_specs(self, assignment: Assignment) -> list[Any]:
         """The feeder, rollout server and trainer :class:`~asyncrl.supervisor.RoleSpec` s."""
+        from asyncrl.redis_server import free_port_range, ports_free
         from asyncrl.supervisor import RoleSpec, http_health_check, role_command
 
         cfg, env = self.cfg, self._child_env()
@@ -658,9 +661,9 @@ class Controller:
         urls = list(cfg.rollout.server_urls)
         base_port = cfg.rollout.base_port
         n = len(assignment.rollout_cores)
-        if not urls and not _ports_free(cfg.rollout.host, base_port, n):
+        if not urls and not ports_free(cfg.rollout.host, base_port, n):
             # another run holds the configured ports: move this run's servers to free ones
-            base_port = _free_port_range(cfg.rollout.host, n)
+            base_port = free_port_range(cfg.rollout.host, n)
             span = lambda p: f"{p}..{p + n - 1}" if n > 1 else str(p)  # noqa: E731
             print(f"asyncrl train: port {span(cfg.rollout.base_port)} is busy; rollout servers use {span(base_port)}",
                   file=sys.stderr)
@@ -1000,59 +1003,6 @@ class Controller:
             f"`asyncrl train --resume {self.run_dir} --total_steps N`",
         ]
         print("\n".join(lines), file=sys.stderr)
-
-
-def _make_embedded_redis(data_dir: Path, port: int | None, password: str | None) -> Any:
-    """A :class:`~asyncrl.redis_server.RedisServer` that dies with the controller.
-
-    Its command line is wrapped in ``setpriv --pdeathsig TERM`` (util-linux) when available, so
-    a SIGKILLed controller never leaves a redis-server holding the run's AOF (``--resume``
-    would otherwise start a second server on the same files); Redis fsyncs its AOF on SIGTERM.
-    ``setsid`` puts it in its own session, out of reach of the terminal's Ctrl-C, which only the
-    controller should receive (it stops Redis last).
-    """
-    from asyncrl.redis_server import RedisServer
-
-    setpriv, setsid = shutil.which("setpriv"), shutil.which("setsid")
-
-    class _EmbeddedRedis(RedisServer):
-        def command_line(self) -> list[str]:
-            cmd = super().command_line()
-            if setpriv:
-                cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
-            if setsid:  # its own session: a terminal's Ctrl-C must not stop Redis before the roles drain
-                cmd = [setsid, *cmd]  # (the child is never a group leader, so setsid execs in place)
-            return cmd
-
-    return _EmbeddedRedis(data_dir, port=port, password=password)
-
-
-def _ports_free(host: str, first: int, n: int) -> bool:
-    """True when ports ``first .. first + n - 1`` can be bound on ``host`` now."""
-    import socket
-
-    for port in range(first, first + n):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                return False
-    return True
-
-
-def _free_port_range(host: str, n: int) -> int:
-    """First port of ``n`` consecutive free ports on ``host``.
-
-    Raises:
-        ControllerError: none found after a few tries.
-    """
-    from asyncrl.redis_server import free_port
-
-    for _ in range(50):
-        first = free_port(host)
-        if first + n <= 65535 and _ports_free(host, first, n):
-            return first
-    raise ControllerError(f"no {n} consecutive free ports on {host}: set --rollout.base_port")
 
 
 def parse_prometheus_totals(text: str, names: tuple[str, ...]) -> dict[str, float]:

@@ -11,6 +11,9 @@
 * loopback only and a generated password (``requirepass``), protected mode on.
 
 The test fixtures start the same server on a free loopback port.
+
+``asyncrl train`` runs it through :func:`make_embedded_redis` (it dies with the controller) and
+finds ports for its rollout servers with :func:`ports_free` / :func:`free_port_range`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["RedisServer", "find_redis_binary", "free_port", "main"]
+__all__ = ["RedisServer", "find_redis_binary", "free_port", "free_port_range", "make_embedded_redis", "ports_free", "main"]
 
 
 class RedisServerError(RuntimeError):
@@ -205,6 +208,55 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def make_embedded_redis(data_dir: Path, port: int | None, password: str | None) -> RedisServer:
+    """A :class:`RedisServer` that dies with the controller of ``asyncrl train``.
+
+    Its command line is wrapped in ``setpriv --pdeathsig TERM`` (util-linux) when available, so
+    a SIGKILLed controller never leaves a redis-server holding the run's AOF (``--resume``
+    would otherwise start a second server on the same files); Redis fsyncs its AOF on SIGTERM.
+    ``setsid`` puts it in its own session, out of reach of the terminal's Ctrl-C, which only the
+    controller should receive (it stops Redis last).
+    """
+    setpriv, setsid = shutil.which("setpriv"), shutil.which("setsid")
+
+    class _EmbeddedRedis(RedisServer):
+        def command_line(self) -> list[str]:
+            cmd = super().command_line()
+            if setpriv:
+                cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+            if setsid:  # its own session: a terminal's Ctrl-C must not stop Redis before the roles drain
+                cmd = [setsid, *cmd]  # (the child is never a group leader, so setsid execs in place)
+            return cmd
+
+    return _EmbeddedRedis(data_dir, port=port, password=password)
+
+
+def ports_free(host: str, first: int, n: int) -> bool:
+    """True when ports ``first .. first + n - 1`` can be bound on ``host`` now."""
+    for port in range(first, first + n):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port_range(host: str, n: int) -> int:
+    """First port of ``n`` consecutive free ports on ``host``.
+
+    Raises:
+        ControllerError: none found after a few tries.
+    """
+    for _ in range(50):
+        first = free_port(host)
+        if first + n <= 65535 and ports_free(host, first, n):
+            return first
+    from asyncrl.controller import ControllerError  # the rollout ports of ``asyncrl train``
+
+    raise ControllerError(f"no {n} consecutive free ports on {host}: set --rollout.base_port")
 
 
 def main(argv: list[str]) -> int:
