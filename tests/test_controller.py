@@ -13,11 +13,11 @@ import pytest
 from asyncrl.config import ConfigError, dump_config, load_config
 from asyncrl.controller import (
     ControllerError,
-    normalize_trainer_record,
     parse_controller_flags,
     resolve_run,
 )
 from asyncrl.resources import assign_resources
+from asyncrl.run_watch import normalize_trainer_record
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -185,7 +185,7 @@ def test_role_specs_wire_each_role(tmp_path):
 
 
 def test_reconcile_groups_accounts_for_every_fed_group():
-    from asyncrl.controller import reconcile_groups
+    from asyncrl.run_watch import reconcile_groups
 
     stats = {"dataset_cursor": 52, "counters": {"committed_groups": 30, "acked_groups": 36},
              "groups_by_state": {"acked": 6, "ready": 8, "pending": 6, "generating": 0}, "dropped_by_reason": {"stale": 2}}

@@ -75,7 +75,7 @@ async def test_rollout_tokens_per_second_spans_the_bursts_between_trainer_steps(
     """The main job's pattern: a burst right after a publish, then the staleness bound blocks the
     rollout for the rest of a 40-second trainer step; the progress line prints when the step
     ends. A 10-second window read 0.0 there, every time; the rate over whole steps does not."""
-    from asyncrl.controller import _BufferWatcher
+    from asyncrl.run_watch import BufferWatcher
     from asyncrl.feeder import group_id_for
     from buffers import BufferSettings, ReplayBuffer
 
@@ -84,7 +84,7 @@ async def test_rollout_tokens_per_second_spans_the_bursts_between_trainer_steps(
         max_response_len=64, max_staleness=2, stale_policy="restart", lease_seconds=600.0))
     await buf.feed([buf.make_group(group_id_for(c), [1, 2, 3], {}) for c in range(4)], 0)
     items = await buf.claim("w", 8)
-    watcher = _BufferWatcher(buf)
+    watcher = BufferWatcher(buf)
     out = io.StringIO()
     progress = Progress(10, stream=out, live=False, plain_interval_seconds=0.0)
 
@@ -120,7 +120,7 @@ async def test_rollout_tokens_per_second_spans_the_bursts_between_trainer_steps(
 
 
 def test_rate_window_edges():
-    from asyncrl.controller import RateWindow
+    from asyncrl.run_watch import RateWindow
 
     w = RateWindow(min_seconds=10.0, min_steps=1, max_seconds=30.0)
     assert w.add(0.0, 0, 0) is None and w.add(0.0, 5, 0) is None  # no time elapsed

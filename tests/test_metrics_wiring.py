@@ -84,10 +84,10 @@ def test_batch_former_observes_the_staleness_of_every_sample():
 
 def test_controller_exports_buffer_counters_by_their_increase():
     from asyncrl.config import load_config
-    from asyncrl.controller import _PrometheusExport
+    from asyncrl.run_watch import PrometheusExport
 
     cfg = load_config([], overrides={"monitoring": {"controller_metrics_port": 0}})
-    export = _PrometheusExport(cfg)
+    export = PrometheusExport(cfg)
     try:
         reg = export.registry
         stats = {"version": 3, "lineage": 1, "dataset_cursor": 8, "admitted_groups": 6,
