@@ -12,7 +12,7 @@ import sys
 
 #: subcommand -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("asyncrl.controller:main", "run asynchronous partial-rollout RL end to end on this machine"),
+    "train": ("asyncrl.train:main", "run asynchronous partial-rollout RL end to end on this machine"),
     "config": ("asyncrl.config_cli:main", "show the resolved configuration (`asyncrl config show`)"),
     "redis": ("asyncrl.redis_server:main", "start a local redis-server (AOF on, loopback, password) for a run"),
     "models": ("asyncrl.models:main", "prepare and list local models (`asyncrl models prepare smollm2-135m-instruct`)"),

@@ -11,11 +11,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, dump_config, load_config
-from asyncrl.controller import (
-    ControllerError,
-    parse_controller_flags,
-    resolve_run,
-)
+from asyncrl.controller import ControllerError
+from asyncrl.train import parse_controller_flags, resolve_run
 from asyncrl.resources import assign_resources
 from asyncrl.run_watch import normalize_trainer_record
 
