@@ -67,8 +67,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Controller", "ControllerError", "resume_roles", "run_session"]
 
-#: Exit statuses of roles that restarting cannot fix (argument/config errors).
-FATAL_EXIT_CODES = (2,)
 #: Seconds between two buffer-stats polls (each costs a few Redis round trips per live group).
 STATS_INTERVAL_SECONDS = 2.0
 
@@ -114,7 +112,14 @@ def resume_roles(sup: Any, clock: Any, start_monotonic: float) -> float:
 
 
 class Controller:
-    """One ``asyncrl train`` session (see the module docstring)."""
+    """One ``asyncrl train`` session (see the module docstring).
+
+    :meth:`run` goes through named phases, like the trainer's loop: ``_prepare`` (run directory,
+    core split, loggers), ``_start`` (Redis, buffer, base-model evaluation, roles),
+    ``_supervise`` (until done, failed, out of time or signalled; ``_evaluate`` every
+    ``monitoring.eval_interval`` steps), ``_stop`` (roles in order, final evaluation),
+    ``_summarise`` (end-of-run checks and summary) and, whatever happens, ``_release``.
+    """
 
     def __init__(self, cfg: Any, resumed: bool) -> None:
         self.cfg = cfg
@@ -138,6 +143,9 @@ class Controller:
         self.rollout_urls: list[str] = []
         self.scraper = RolloutScraper([])
         self.prom: PrometheusExport | None = None
+        self.sup: Any = None  # the Supervisor, once the roles start
+        self.buf: Any = None  # the ReplayBuffer, once Redis is up
+        self.status = "failed"  # what run_state.json says when the session ends
 
     # -- signals --------------------------------------------------------------------------------
 
@@ -204,68 +212,13 @@ class Controller:
         self.redis = make_embedded_redis(self.run_dir / "redis", port, password).start()
         self.redis_url = self.redis.url
 
-    def _child_env(self) -> dict[str, str]:
-        from asyncrl.tracking import SINKS_ENV
-
-        env = {
-            "ASYNCRL_BUFFER__REDIS_URL": self.redis_url,
-            SINKS_ENV: "jsonl",  # the controller forwards records to TensorBoard/W&B (one run)
-            "TOKENIZERS_PARALLELISM": "false",
-            "ASYNCRL_RUN_DIR": str(self.run_dir),
-        }
-        if not self._has_gpus():
-            env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
-        return env
-
-    def _has_gpus(self) -> bool:
-        return bool(self.cfg.resources.trainer_gpus or self.cfg.resources.rollout_gpus)
-
     def role_specs(self, assignment: Assignment) -> list[Any]:
-        """The feeder, rollout server and trainer :class:`~asyncrl.supervisor.RoleSpec` s."""
-        from asyncrl.redis_server import free_port_range, ports_free
-        from asyncrl.supervisor import RoleSpec, http_health_check, role_command
+        """The feeder, rollout server and trainer :class:`~asyncrl.supervisor.RoleSpec` s
+        (:func:`asyncrl.roles.role_specs`); keeps the rollout servers' URLs."""
+        from asyncrl.roles import child_env, role_specs
 
-        cfg, env = self.cfg, self._child_env()
-        cfg_arg = ["--config", str(self.cfg_path)]
-        specs = [RoleSpec("feeder", [sys.executable, "-m", "asyncrl.feeder", *cfg_arg],
-                          env={**env, "OMP_NUM_THREADS": "1"}, restart=True, stop_order=0,
-                          fatal_exit_codes=FATAL_EXIT_CODES,
-                          stop_grace_seconds=10.0)]
-        urls = list(cfg.rollout.server_urls)
-        base_port = cfg.rollout.base_port
-        n = len(assignment.rollout_cores)
-        if not urls and not ports_free(cfg.rollout.host, base_port, n):
-            # another run holds the configured ports: move this run's servers to free ones
-            base_port = free_port_range(cfg.rollout.host, n)
-            span = lambda p: f"{p}..{p + n - 1}" if n > 1 else str(p)  # noqa: E731
-            print(f"asyncrl train: port {span(cfg.rollout.base_port)} is busy; rollout servers use {span(base_port)}",
-                  file=sys.stderr)
-            env["ASYNCRL_ROLLOUT__BASE_PORT"] = str(base_port)
-        self.rollout_urls = []
-        for i, cores in enumerate(assignment.rollout_cores):
-            renv = dict(env)
-            url = urls[i].rstrip("/") if urls else f"http://{cfg.rollout.host}:{base_port + i}"
-            self.rollout_urls.append(url)
-            if cores is not None and cfg.rollout.engine_threads is None:
-                renv["ASYNCRL_ROLLOUT__ENGINE_THREADS"] = str(len(cores))
-            specs.append(RoleSpec(f"rollout-{i}", role_command("rollout-server", *cfg_arg, "--server_index", str(i)),
-                                  env=renv, cores=cores, gpus=assignment.rollout_gpus[i], restart=True, stop_order=1,
-                                  fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=30.0,
-                                  health_check=http_health_check(url + "/health"), health_interval_seconds=5.0,
-                                  health_failures=6, nice=assignment.rollout_nice))
-        tenv = dict(env)
-        world = cfg.trainer.world_size
-        if world > 1:
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                    "-m", "asyncrl.cli", "trainer", *cfg_arg]
-            if assignment.trainer_cores is not None:
-                tenv["OMP_NUM_THREADS"] = str(max(1, len(assignment.trainer_cores) // world))
-        else:
-            argv = role_command("trainer", *cfg_arg)
-        specs.append(RoleSpec("trainer", argv, env=tenv, cores=assignment.trainer_cores, gpus=assignment.trainer_gpus,
-                               restart=True, max_restarts=2, restart_delay_seconds=2.0, stop_order=2,
-                               fatal_exit_codes=FATAL_EXIT_CODES,
-                               stop_grace_seconds=180.0, nice=assignment.trainer_nice))
+        specs, self.rollout_urls = role_specs(self.cfg, self.cfg_path, child_env(self.cfg, self.redis_url, self.run_dir),
+                                              assignment)
         return specs
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -419,17 +372,45 @@ class Controller:
         return over
 
     async def run(self) -> int:
-        from asyncrl.cpu_share import CpuShareSampler
-        from asyncrl.resources import assign_resources
+        """The session, phase by phase: prepare, start, supervise (evaluating every
+        ``monitoring.eval_interval`` steps), stop, summarise; whatever happens, release.
+
+        Returns:
+            the exit code: 0 finished or stopped, 1 failed or killed, 2 a bad setup.
+        """
+        from asyncrl.supervisor import SupervisorError
+
+        code = self._prepare()
+        if code is not None:
+            return code
+        try:
+            code = await self._start()
+            if code is not None:
+                return code
+            await self._supervise()
+            await self._stop()
+            self._summarise()
+            return 1 if self.status == "failed" else 0
+        except _ForceStop:
+            print("asyncrl train: killed every role (second interrupt)", file=sys.stderr)
+            self.status = "killed"
+            return 1
+        except (SupervisorError, ControllerError) as exc:
+            print(f"asyncrl train: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            await self._release()
+
+    def _prepare(self) -> int | None:
+        """The run directory, the core split, the loggers and the progress display; 2 on a bad setup."""
         from asyncrl.progress import Progress
-        from asyncrl.redis_server import RedisServerError
-        from asyncrl.supervisor import Supervisor, SupervisorError
+        from asyncrl.resources import assign_resources
         from asyncrl.tracking import MetricsLogger, MetricsTail, TrackingError
 
         cfg = self.cfg
         self._prepare_run_dir()
         try:
-            assignment = assign_resources(cfg)
+            self.assignment = assign_resources(cfg)
             self.logger = MetricsLogger(self.run_dir, cfg.monitoring, role="controller",
                                         config=cfg.model_dump(mode="json"))
             if cfg.monitoring.controller_metrics_port is not None:
@@ -447,116 +428,113 @@ class Controller:
             self.trainer_tail.skip_existing()
         self.progress = Progress(cfg.run.total_steps, cfg.run.name, cfg.buffer.max_staleness,
                                  live=None if cfg.monitoring.progress else False)
+        self.eval_on = cfg.monitoring.eval_interval is not None
         print(f"asyncrl train: run {cfg.run.name!r} in {self.run_dir} ({'resumed' if self.resumed else 'new'}); "
-              f"{assignment.describe()}", file=sys.stderr)
-        sup = None
-        buf = None
-        status = "failed"
+              f"{self.assignment.describe()}", file=sys.stderr)
+        return None
+
+    async def _start(self) -> int | None:
+        """Redis, the buffer, the base model's evaluation (new runs) and the roles; an exit code
+        when the run ends here (1: Redis did not start; 0: stopped during that evaluation)."""
+        from asyncrl.cpu_share import CpuShareSampler
+        from asyncrl.redis_server import RedisServerError
+        from asyncrl.supervisor import Supervisor
+
+        cfg = self.cfg
         try:
-            try:
-                self._start_redis()
-            except RedisServerError as exc:
-                print(f"asyncrl train: {exc}", file=sys.stderr)
-                return 1
-            from redis.exceptions import RedisError
-
-            from buffers import BufferSettings, ReplayBuffer
-
-            buf = await ReplayBuffer.open(self.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
-            watcher = BufferWatcher(buf)
-            self.progress.start()
-            eval_on = cfg.monitoring.eval_interval is not None
-            if self.resumed:
-                self.last_eval_step = self.trainer_step  # evaluated (or not due) when the last session ended
-            if eval_on and not self.resumed:
-                await self._evaluate(None, None, assignment)  # the base model, before any training
-            if self.stopping:
-                status = "stopped"
-                return 0
-            sup = Supervisor(self.run_dir / "logs")
-            for spec in self.role_specs(assignment):
-                sup.start(spec)
-            self.scraper = RolloutScraper(self.rollout_urls)
-            cpu = CpuShareSampler(assignment.eval_threads)  # eval_threads = the run's cores
-            self.progress.set_status("training")
-            next_stats = 0.0
-            over = False
-            while not over and not self.stopping:
-                over = self._handle_exits(sup.poll())
-                self._forward_children()
-                if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
-                    print(f"asyncrl train: redis-server exited ({self.redis.proc.returncode}); restarting it on "
-                          f"its AOF: {self.redis.log_tail(5)}", file=sys.stderr)
-                    self._start_redis()
-                    self.role_restarts += 1
-                wall = self.clock.wall_seconds()
-                if time.monotonic() >= next_stats:
-                    next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
-                    try:
-                        self._log({**await watcher.poll(wall, self.trainer_step),
-                                   **await self.scraper.poll(self.trainer_step),
-                                   **cpu.sample({name: sup.pid(name) for name in sup.names})})
-                        if self.prom is not None:
-                            self.prom.update(watcher.last_stats, self.trainer_step, sup.running())
-                    except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll
-                        print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
-                    self._write_state("running")
-                k = cfg.monitoring.eval_interval
-                if eval_on and not over and self.trainer_step // k > (self.last_eval_step or 0) // k:
-                    await self._evaluate(buf, sup, assignment)  # a multiple of k was reached (or passed)
-                if cfg.run.max_wall_seconds is not None and wall >= cfg.run.max_wall_seconds and not over:
-                    self.stop_reason = f"run.max_wall_seconds={cfg.run.max_wall_seconds:g} reached"
-                    over = True
-                self.progress.refresh()
-                if not over and not self.stopping:
-                    await asyncio.sleep(0.25)
-            status = "failed" if self.failed else ("finished" if "finished" in self.stop_reason else "stopped")
-            self.progress.set_status("stopping")
-            self.progress.refresh()
-            self.blocking_stop = True
-            codes = sup.stop_all()
-            self.blocking_stop = False
-            if codes.get("trainer", 0) not in (0, None) and status != "failed":
-                status = "failed"
-                self.failed = f"the trainer exited with status {codes['trainer']} while stopping:\n{sup.log_tail('trainer')}"
-                print(f"asyncrl train: {self.failed}", file=sys.stderr)
-            self._forward_children()
-            self._log(await watcher.poll(self.clock.wall_seconds(), self.trainer_step))
-            # a final evaluation when the run ends on its own (not after Ctrl-C/SIGTERM: exit promptly)
-            if eval_on and self.last_eval_step != self.trainer_step and status != "failed" and not self.signals:
-                await self._evaluate(buf, None, assignment)
-            if watcher.last_stats:
-                ok, balance = reconcile_groups(watcher.last_stats)
-                self.final_checks = {"groups_reconcile": ok, "groups_balance": balance,
-                                     "max_staleness_seen": self.max_staleness_seen,
-                                     "max_staleness": self.cfg.buffer.max_staleness}
-            self._write_state(status)
-            self.progress.stop()
-            self._summary(watcher, status)
-            return 1 if status == "failed" else 0
-        except _ForceStop:
-            print("asyncrl train: killed every role (second interrupt)", file=sys.stderr)
-            status = "killed"
-            return 1
-        except (SupervisorError, ControllerError) as exc:
+            self._start_redis()
+        except RedisServerError as exc:
             print(f"asyncrl train: {exc}", file=sys.stderr)
             return 1
-        finally:
-            if sup is not None:
-                sup.kill_all()
-            if buf is not None:
-                await buf.close()
-            if self.redis is not None:
-                self.redis.stop()
-            try:
-                self._write_state(status)
-            except OSError:
-                pass
-            self.progress.stop()
-            self.logger.close()
-            self.trainer_logger.close()
+        from buffers import BufferSettings, ReplayBuffer
 
-    def _summary(self, watcher: BufferWatcher, status: str) -> None:
+        self.buf = await ReplayBuffer.open(self.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
+        self.watcher = BufferWatcher(self.buf)
+        self.progress.start()
+        if self.resumed:
+            self.last_eval_step = self.trainer_step  # evaluated (or not due) when the last session ended
+        if self.eval_on and not self.resumed:
+            await self._evaluate(None, None, self.assignment)  # the base model, before any training
+        if self.stopping:
+            self.status = "stopped"
+            return 0
+        self.sup = Supervisor(self.run_dir / "logs")
+        for spec in self.role_specs(self.assignment):
+            self.sup.start(spec)
+        self.scraper = RolloutScraper(self.rollout_urls)
+        self.cpu = CpuShareSampler(self.assignment.eval_threads)  # eval_threads = the run's cores
+        self.progress.set_status("training")
+        return None
+
+    async def _supervise(self) -> None:
+        """Until the trainer finishes, a role fails, ``run.max_wall_seconds`` passes or a signal
+        comes: report role exits, forward records, restart a dead Redis, poll the statistics and
+        evaluate every ``monitoring.eval_interval`` steps. Sets :attr:`status`."""
+        from redis.exceptions import RedisError
+
+        cfg, sup, watcher = self.cfg, self.sup, self.watcher
+        next_stats = 0.0
+        over = False
+        while not over and not self.stopping:
+            over = self._handle_exits(sup.poll())
+            self._forward_children()
+            if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
+                print(f"asyncrl train: redis-server exited ({self.redis.proc.returncode}); restarting it on "
+                      f"its AOF: {self.redis.log_tail(5)}", file=sys.stderr)
+                self._start_redis()
+                self.role_restarts += 1
+            wall = self.clock.wall_seconds()
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
+                try:
+                    self._log({**await watcher.poll(wall, self.trainer_step),
+                               **await self.scraper.poll(self.trainer_step),
+                               **self.cpu.sample({name: sup.pid(name) for name in sup.names})})
+                    if self.prom is not None:
+                        self.prom.update(watcher.last_stats, self.trainer_step, sup.running())
+                except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll
+                    print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
+                self._write_state("running")
+            k = cfg.monitoring.eval_interval
+            if self.eval_on and not over and self.trainer_step // k > (self.last_eval_step or 0) // k:
+                await self._evaluate(self.buf, sup, self.assignment)  # a multiple of k was reached (or passed)
+            if cfg.run.max_wall_seconds is not None and wall >= cfg.run.max_wall_seconds and not over:
+                self.stop_reason = f"run.max_wall_seconds={cfg.run.max_wall_seconds:g} reached"
+                over = True
+            self.progress.refresh()
+            if not over and not self.stopping:
+                await asyncio.sleep(0.25)
+        self.status = "failed" if self.failed else ("finished" if "finished" in self.stop_reason else "stopped")
+
+    async def _stop(self) -> None:
+        """Stop the roles in order (a second Ctrl-C kills them), take in their last records and,
+        when the run ended on its own, evaluate the final weights."""
+        sup = self.sup
+        self.progress.set_status("stopping")
+        self.progress.refresh()
+        self.blocking_stop = True
+        codes = sup.stop_all()
+        self.blocking_stop = False
+        if codes.get("trainer", 0) not in (0, None) and self.status != "failed":
+            self.status = "failed"
+            self.failed = f"the trainer exited with status {codes['trainer']} while stopping:\n{sup.log_tail('trainer')}"
+            print(f"asyncrl train: {self.failed}", file=sys.stderr)
+        self._forward_children()
+        self._log(await self.watcher.poll(self.clock.wall_seconds(), self.trainer_step))
+        # a final evaluation when the run ends on its own (not after Ctrl-C/SIGTERM: exit promptly)
+        if self.eval_on and self.last_eval_step != self.trainer_step and self.status != "failed" and not self.signals:
+            await self._evaluate(self.buf, None, self.assignment)
+
+    def _summarise(self) -> None:
+        """The end-of-run checks (the books, staleness) into ``run_state.json``, and the summary lines."""
+        watcher, status = self.watcher, self.status
+        if watcher.last_stats:
+            ok, balance = reconcile_groups(watcher.last_stats)
+            self.final_checks = {"groups_reconcile": ok, "groups_balance": balance,
+                                 "max_staleness_seen": self.max_staleness_seen,
+                                 "max_staleness": self.cfg.buffer.max_staleness}
+        self._write_state(status)
+        self.progress.stop()
         st = watcher.last_stats
         reason = self.stop_reason or "stopped"
         checks = self.final_checks
@@ -576,6 +554,22 @@ class Controller:
             f"`asyncrl train --resume {self.run_dir} --total_steps N`",
         ]
         print("\n".join(lines), file=sys.stderr)
+
+    async def _release(self) -> None:
+        """Whatever happened: kill the roles left, close the buffer, stop Redis, record the status."""
+        if self.sup is not None:
+            self.sup.kill_all()
+        if self.buf is not None:
+            await self.buf.close()
+        if self.redis is not None:
+            self.redis.stop()
+        try:
+            self._write_state(self.status)
+        except OSError:
+            pass
+        self.progress.stop()
+        self.logger.close()
+        self.trainer_logger.close()
 
 
 def run_session(cfg: Any, resumed: bool) -> int:
