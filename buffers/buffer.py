@@ -43,7 +43,6 @@ from asyncrl.types import (
     unpack_f32,
     unpack_i32,
 )
-from asyncrl.version_clock import VersionClock
 from buffers.errors import (
     BadRequest,
     MalformedData,
@@ -53,6 +52,7 @@ from buffers.errors import (
 )
 from buffers.keys import GROUP_ID, SCHEMA_VERSION, key_prefix
 from buffers.scripts import Coalescer, Scripts, decode_error
+from buffers.version_clock import VersionClock
 
 __all__ = ["BufferSettings", "ReplayBuffer", "STALE_POLICIES", "FINISH_REASONS"]
 
