@@ -12,8 +12,7 @@
 
 The test fixtures start the same server on a free loopback port.
 
-``asyncrl train`` runs it through :func:`make_embedded_redis` (it dies with the controller) and
-finds ports for its rollout servers with :func:`ports_free` / :func:`free_port_range`.
+``asyncrl train`` runs it through :func:`make_embedded_redis` (it dies with the controller).
 """
 
 from __future__ import annotations
@@ -28,18 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["RedisServer", "find_redis_binary", "free_port", "free_port_range", "make_embedded_redis", "ports_free", "main"]
+from asyncrl.net import free_port
+
+__all__ = ["RedisServer", "find_redis_binary", "make_embedded_redis", "main"]
 
 
 class RedisServerError(RuntimeError):
     """redis-server could not be found or did not start; the message says what to install or fix."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (bind to port 0 and release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _redis_version(binary: str) -> tuple[int, ...]:
@@ -231,32 +225,6 @@ def make_embedded_redis(data_dir: Path, port: int | None, password: str | None) 
             return cmd
 
     return _EmbeddedRedis(data_dir, port=port, password=password)
-
-
-def ports_free(host: str, first: int, n: int) -> bool:
-    """True when ports ``first .. first + n - 1`` can be bound on ``host`` now."""
-    for port in range(first, first + n):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                return False
-    return True
-
-
-def free_port_range(host: str, n: int) -> int:
-    """First port of ``n`` consecutive free ports on ``host``.
-
-    Raises:
-        ControllerError: none found after a few tries.
-    """
-    for _ in range(50):
-        first = free_port(host)
-        if first + n <= 65535 and ports_free(host, first, n):
-            return first
-    from asyncrl.controller import ControllerError  # the rollout ports of ``asyncrl train``
-
-    raise ControllerError(f"no {n} consecutive free ports on {host}: set --rollout.base_port")
 
 
 def main(argv: list[str]) -> int:

@@ -42,7 +42,7 @@ def role_specs(cfg: Any, cfg_path: Path, env: dict[str, str], assignment: Assign
     ``env`` (:func:`child_env`) is every role's environment; the rollout servers move to free
     ports (announced in it) when another run holds ``rollout.base_port``.
     """
-    from asyncrl.redis_server import free_port_range, ports_free
+    from asyncrl.net import free_port_range, ports_free
     from asyncrl.supervisor import RoleSpec, http_health_check, role_command
 
     cfg_arg = ["--config", str(cfg_path)]

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.net import free_port
 from rollout_server.client import EngineClient, EngineUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from asyncrl.config import AsyncRLConfig
 
-__all__ = ["ServerHandle", "engine_command", "free_port", "launch_servers", "stop_servers"]
+__all__ = ["ServerHandle", "engine_command", "launch_servers", "stop_servers"]
 
 
 @dataclass
@@ -45,13 +45,6 @@ class ServerHandle:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_version: str | int = 0,

@@ -83,7 +83,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     else:
         from aiohttp import web
 
-        from rollout_server.launch import free_port
+        from asyncrl.net import free_port
         from rollout_server.server import RolloutHTTPServer, ServerOptions
 
         index = server_index or 0

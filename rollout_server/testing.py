@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.net import free_port
 from rollout_server.client import EngineClient
-from rollout_server.launch import free_port
 
 __all__ = ["ServerProcess", "serve_app", "start_embedded_server", "make_random_model", "greedy_reference", "recompute_logprobs"]
 

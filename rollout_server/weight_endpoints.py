@@ -33,7 +33,7 @@ class WeightEndpoints:
     """
 
     async def _apply_weights(self, state: dict, version: Any, abort_all: bool) -> web.Response:
-        from rollout_server.weights import WeightLoadError
+        from asyncrl.weights import WeightLoadError
 
         try:
             res = await asyncio.wrap_future(
@@ -63,7 +63,7 @@ class WeightEndpoints:
         return version, abort_all
 
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import WeightLoadError, load_state_dict_from_dir
+        from asyncrl.weights import WeightLoadError, load_state_dict_from_dir
 
         try:
             body = await read_json_body(request, allow_empty=False)
@@ -83,7 +83,7 @@ class WeightEndpoints:
             return await self._apply_weights(state, version, abort_all)
 
     async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import WeightLoadError, decode_safetensors_payload
+        from asyncrl.weights import WeightLoadError, decode_safetensors_payload
 
         try:
             body = await read_json_body(request, allow_empty=False)
@@ -105,7 +105,7 @@ class WeightEndpoints:
             return await self._apply_weights(state, version, abort_all)
 
     async def handle_init_group(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import init_weights_update_group
+        from asyncrl.weights import init_weights_update_group
 
         try:
             body = await read_json_body(request, allow_empty=False)
@@ -131,7 +131,7 @@ class WeightEndpoints:
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def handle_update_from_distributed(self, request: web.Request) -> web.Response:
-        from rollout_server.weights import WeightLoadError, receive_broadcast_weights
+        from asyncrl.weights import WeightLoadError, receive_broadcast_weights
 
         try:
             body = await read_json_body(request, allow_empty=False)

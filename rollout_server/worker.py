@@ -27,7 +27,7 @@ What a worker does, concurrently (asyncio tasks):
 * **Version clock (pull).** Subscribes to the weights channel and polls
   ``clock.latest()`` (pub/sub can miss messages). On a newer version (or a new lineage) it
   fetches the weights first (``http``: download + sha256 check via
-  :func:`trainer.publisher.download_weights` into a local cache; ``disk``: the announced
+  :func:`asyncrl.weights.download_weights` into a local cache; ``disk``: the announced
   directory), then pauses the engine (``rollout.pause_mode``: ``abort`` ends every request, its
   partial output becoming an old-version segment; ``in_place`` keeps the KV cache and relies on
   per-token versions), loads the weights with ``/update_weights_from_disk`` and
@@ -672,7 +672,7 @@ class RolloutWorker:
 
             return str(resolve_model_path(self.opts.base_model_path))
         if uri.startswith(("http://", "https://")):
-            from trainer.publisher import download_weights
+            from asyncrl.weights import download_weights
 
             cache = self.opts.weights_cache_dir
             if cache is None:

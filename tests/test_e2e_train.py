@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.redis_server import free_port
+from asyncrl.net import free_port
 from asyncrl.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent

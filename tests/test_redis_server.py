@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from asyncrl.redis_server import RedisServer, RedisServerError, find_redis_binary, free_port
+from asyncrl.net import free_port
+from asyncrl.redis_server import RedisServer, RedisServerError, find_redis_binary
 
 pytestmark = pytest.mark.integration
 

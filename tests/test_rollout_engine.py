@@ -13,15 +13,15 @@ import time
 
 import pytest
 
+from asyncrl.net import free_port
+from asyncrl.weights import DistributedWeightSender, load_state_dict_from_dir
 from rollout_server.client import EngineClient
-from rollout_server.launch import free_port
 from rollout_server.testing import (
     greedy_reference,
     make_random_model,
     recompute_logprobs,
     start_embedded_server,
 )
-from rollout_server.weights import DistributedWeightSender, load_state_dict_from_dir
 
 pytestmark = pytest.mark.integration
 

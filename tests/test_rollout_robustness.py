@@ -30,9 +30,9 @@ import time
 
 import pytest
 
+from asyncrl.net import free_port
 from rollout_server.client import EngineClient, EngineError
 from rollout_server.engine import Engine, EngineSample, PromptGroup
-from rollout_server.launch import free_port
 from rollout_server.sampling import SamplingParams
 from rollout_server.testing import greedy_reference, make_random_model
 

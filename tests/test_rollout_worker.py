@@ -2,7 +2,7 @@
 
 Real HTTP to embedded engine processes (the tiny random model, fp32), a real redis-server
 (fixture ``redis_url``), real weight files written the way the trainer publishes them
-(:func:`trainer.publisher.write_weights` + the version clock). Kill -9 and SIGTERM run the
+(:func:`asyncrl.weights.write_weights` + the version clock). Kill -9 and SIGTERM run the
 ``asyncrl rollout-server`` CLI as separate processes.
 """
 
@@ -111,7 +111,7 @@ def server_b(models):
 def _publish_weights(weights_dir: Path, version: int, model_dir: Path) -> tuple[Path, str]:
     """Write ``model_dir``'s weights as policy ``version`` exactly as the trainer publishes them."""
     from safetensors.torch import load_file
-    from trainer.publisher import write_weights
+    from asyncrl.weights import write_weights
 
     state = load_file(str(model_dir / "model.safetensors"))
     config = json.loads((model_dir / "config.json").read_text())
@@ -269,7 +269,7 @@ async def test_http_transport_rejects_a_bad_checksum_then_loads_the_next_version
     """weight_sync.transport=http: a version whose announced checksum does not match is not
     loaded (counted, engine keeps its weights, generation goes on); the next good version is
     downloaded, verified and loaded, and new tokens carry it."""
-    from trainer.publisher import WeightFileServer
+    from asyncrl.weights import WeightFileServer
 
     weights = tmp_path / "weights"
     _publish_weights(weights, 1, models["dir1"])

@@ -231,7 +231,7 @@ def test_wait_healthy_errors(tmp_path):
 
 
 def test_http_health_check_against_real_server(tmp_path):
-    from asyncrl.redis_server import free_port
+    from asyncrl.net import free_port
 
     port = free_port()
     check = http_health_check(f"http://127.0.0.1:{port}/", timeout_seconds=0.5)

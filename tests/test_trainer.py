@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.weights import list_versions, verify_weights_dir
 from trainer.loop import ListBatchSource, train_loop
-from trainer.publisher import list_versions, verify_weights_dir
 
 
 def make_cfg(tmp_path, model_dir, **trainer):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.publisher import (
+from asyncrl.weights import (
     ChecksumError,
     PublishError,
     WeightFileServer,

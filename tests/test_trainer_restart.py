@@ -180,7 +180,7 @@ def test_no_checkpoint_means_version_0_and_abandoned_versions_are_deleted(tmp_pa
     and deletes them (they are published again, with other weights, as training continues)."""
     from safetensors.torch import load_file
 
-    from trainer.publisher import list_versions, write_weights
+    from asyncrl.weights import list_versions, write_weights
     from trainer.trainer import Trainer
 
     cfg = load_config([], environ={}, overrides={"model": {"path": str(tiny_model_dir)},
@@ -248,6 +248,6 @@ def test_trainer_killed_and_restarted_continues_and_the_books_balance(case, tmp_
     assert counters["acked_groups"] == (TOTAL + acked - ckpt) * B, counters
     assert counters["replayed_groups"] in ((acked - ckpt) * B, (acked - ckpt + 1) * B), counters
     assert "InvalidTransition" not in run.log("trainer-2")
-    from trainer.publisher import list_versions
+    from asyncrl.weights import list_versions
 
     assert max(list_versions(run.run_dir / "weights")) == TOTAL

@@ -180,7 +180,7 @@ class Trainer:
         self.checkpoint_dir = run_dir / "checkpoints"
         self.http_server = None
         if cfg.weight_sync.transport == "http" and self.rank == 0:
-            from trainer.publisher import WeightFileServer
+            from asyncrl.weights import WeightFileServer
 
             self.http_server = WeightFileServer(self.weights_dir, cfg.rollout.host, cfg.weight_sync.http_port).start()
         self.nccl_pusher = None
@@ -554,9 +554,9 @@ class Trainer:
             ``version``, ``publish_seconds``, ``publish_bytes`` (rank 0; other ranks get ``version``).
 
         Raises:
-            trainer.publisher.PublishError: the version directory exists or cannot be written.
+            asyncrl.weights.PublishError: the version directory exists or cannot be written.
         """
-        from trainer.publisher import write_weights
+        from asyncrl.weights import write_weights
 
         version = self.step
         if version in self.published_versions:
@@ -690,7 +690,7 @@ class Trainer:
     def _discard_versions_after(self, version: int) -> None:
         """Delete published version directories newer than ``version`` (rank 0) and forget them."""
         if self.rank == 0:
-            from trainer.publisher import list_versions, version_dir_name
+            from asyncrl.weights import list_versions, version_dir_name
 
             for v in list_versions(self.weights_dir):
                 if v > version:

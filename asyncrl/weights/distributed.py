@@ -1,19 +1,16 @@
-"""Weight transport between the trainer and rollout engines (ARCHITECTURE §7), both sides.
+"""The ``nccl`` weight transport, both ends: SGLang's distributed choreography over a custom process group.
 
-* **disk** — the trainer writes an HF directory (``config.json`` + ``model.safetensors`` or
-  sharded ``*.safetensors``); engines load it with :func:`load_state_dict_from_dir`
-  (``/update_weights_from_disk``).
-* **tensor** — a safetensors payload, base64 in JSON (``/update_weights_from_tensor``):
-  :func:`encode_safetensors_payload` / :func:`decode_safetensors_payload`. Never pickle: real
-  SGLang ships pickled CUDA IPC handles here, which only works on one node and is unsafe to
-  accept from the network, so asyncrl's embedded engine speaks safetensors only.
-* **distributed** — SGLang's NCCL choreography: the trainer (rank 0) and each engine join a
-  custom process group (``/init_weights_update_group``), then for each update the trainer
-  POSTs ``/update_weights_from_distributed`` (names, dtypes, shapes) and broadcasts every
-  tensor from rank 0 while the engine receives them. :func:`init_weights_update_group` builds
-  the group exactly as SGLang's ``init_custom_process_group`` does (TCP rendezvous +
-  ``_new_process_group_helper``), so the same trainer code drives SGLang over NCCL on GPUs and
-  the embedded engine over gloo on CPUs. :class:`DistributedWeightSender` is the trainer side.
+The trainer (rank 0) and each engine join a custom process group (``/init_weights_update_group``);
+then for each update the trainer POSTs ``/update_weights_from_distributed`` (names, dtypes,
+shapes) and broadcasts every tensor from rank 0 while the engine receives them.
+:func:`init_weights_update_group` builds the group exactly as SGLang's
+``init_custom_process_group`` does (TCP rendezvous + ``_new_process_group_helper``), so the same
+trainer code drives SGLang over NCCL on GPUs and the embedded engine over gloo on CPUs.
+:class:`DistributedWeightSender` is the trainer side (``trainer.publisher.NcclWeightPusher``
+drives it); :func:`init_weights_update_group` and :func:`receive_broadcast_weights` are the
+embedded engine's (``rollout_server/weight_endpoints.py``). The request shapes are SGLang's
+(``python/sglang/srt/entrypoints/http_server.py`` in https://github.com/sgl-project/sglang;
+the subset is in docs/rollout.md).
 
 Simplification: no bucketing/flattening of tensors (``load_format="flattened_bucket"``);
 each tensor is broadcast on its own, in the order of ``names``.
@@ -22,87 +19,14 @@ each tensor is broadcast on its own, in the order of ``names``.
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime
-import json
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-__all__ = [
-    "WeightLoadError",
-    "load_state_dict_from_dir",
-    "encode_safetensors_payload",
-    "decode_safetensors_payload",
-    "init_weights_update_group",
-    "receive_broadcast_weights",
-    "DistributedWeightSender",
-]
+from asyncrl.weights.directory import WeightLoadError
+
+__all__ = ["init_weights_update_group", "receive_broadcast_weights", "DistributedWeightSender"]
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-
-class WeightLoadError(ValueError):
-    """Weights could not be read or do not fit the model; the message names the file or tensor."""
-
-
-def load_state_dict_from_dir(path: str | Path) -> dict[str, Any]:
-    """Read every ``*.safetensors`` file of an HF model directory into one CPU state dict.
-
-    Raises:
-        WeightLoadError: the directory is missing, has no safetensors file, a file is
-            unreadable or truncated, or two files hold the same tensor name.
-    """
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not path.is_dir():
-        raise WeightLoadError(f"{path} is not a directory (expected an HF model directory with *.safetensors)")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"{path} contains no *.safetensors file")
-    state: dict[str, Any] = {}
-    for f in files:
-        try:
-            part = load_file(str(f), device="cpu")
-        except Exception as exc:  # SafetensorError, OSError
-            raise WeightLoadError(f"cannot read {f}: {exc}") from exc
-        dup = set(part) & set(state)
-        if dup:
-            raise WeightLoadError(f"tensor {sorted(dup)[0]!r} appears in more than one file of {path}")
-        state.update(part)
-    return state
-
-
-def encode_safetensors_payload(named_tensors: dict[str, Any] | Iterable[tuple[str, Any]]) -> str:
-    """Serialize ``{name: tensor}`` as base64 safetensors (the ``/update_weights_from_tensor`` payload)."""
-    from safetensors.torch import save
-
-    items = dict(named_tensors)
-    return base64.b64encode(save({k: v.detach().contiguous().cpu() for k, v in items.items()})).decode("ascii")
-
-
-def decode_safetensors_payload(blobs: list[str]) -> dict[str, Any]:
-    """Decode base64 safetensors payloads into one state dict.
-
-    Raises:
-        WeightLoadError: a payload is not base64 or not safetensors (e.g. a pickle).
-    """
-    from safetensors.torch import load
-
-    state: dict[str, Any] = {}
-    for i, blob in enumerate(blobs):
-        try:
-            raw = base64.b64decode(blob, validate=True)
-        except (ValueError, TypeError) as exc:
-            raise WeightLoadError(f"serialized_named_tensors[{i}] is not base64: {exc}") from exc
-        try:
-            state.update(load(raw))
-        except Exception as exc:
-            raise WeightLoadError(
-                f"serialized_named_tensors[{i}] is not a safetensors payload ({exc}); the embedded engine accepts "
-                "safetensors only, never pickle"
-            ) from exc
-    return state
 
 
 def init_weights_update_group(
