@@ -35,7 +35,19 @@ __all__ = [
     "ConfigError",
     "load_config",
     "HEADLINE_FLAGS",
+    "train_batch_groups",
 ]
+
+
+def train_batch_groups(partial_percent: float, rollout_batch_size: int) -> int:
+    """B = ⌈p·R⌉: prompt groups per train batch for ``--partial_percent`` p and rollout batch size R.
+
+    The one definition of the formula (docs/architecture.md#the-three-knobs); the config
+    (``rollout.train_batch_groups``) and the buffer (``BufferSettings.from_partial_percent``) both
+    call it. At least 1; the ``1e-9`` keeps p·R that is an integer up to float rounding (0.7 · 10)
+    from rounding up.
+    """
+    return max(1, math.ceil(partial_percent * rollout_batch_size - 1e-9))
 
 
 class ConfigError(ValueError):
@@ -191,8 +203,8 @@ class RolloutConfig(_Section):
 
     @property
     def train_batch_groups(self) -> int:
-        """B = ceil(p * R), the number of prompt groups in a train batch."""
-        return max(1, math.ceil(self.partial_percent * self.rollout_batch_size - 1e-9))
+        """B = ceil(p * R), the number of prompt groups in a train batch (:func:`train_batch_groups`)."""
+        return train_batch_groups(self.partial_percent, self.rollout_batch_size)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def _generate_engine(model: Any, tokenizer: Any, prompts: list[list[int]], *, te
     """
     import threading
 
-    from rollout_server.engine import Engine, EngineSample, PromptGroup
+    from rollout_server.engine import Engine, EngineGroup, EngineSample
     from rollout_server.sampling import SamplingParams
 
     finished: set[str] = set()
@@ -207,7 +207,7 @@ def _generate_engine(model: Any, tokenizer: Any, prompts: list[list[int]], *, te
         samples.append(EngineSample(rid=f"eval-{i}", prompt_ids=list(ids), params=params))
     engine.start()
     try:
-        engine.submit(PromptGroup(list(s.prompt_ids), [s]) for s in samples)
+        engine.submit(EngineGroup(list(s.prompt_ids), [s]) for s in samples)
         while not all_done.wait(1.0):
             if not engine.alive:
                 raise EvalError(f"the engine thread stopped ({engine.error!r})")

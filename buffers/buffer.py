@@ -69,7 +69,9 @@ class BufferSettings:
         rollout_batch_size: R, cap on groups being generated (admitted, not yet READY).
         train_batch_groups: B = ceil(p * R), groups per train batch.
         n_samples_per_prompt: n, samples per group (default of :class:`PromptGroup`).
-        max_budget_tokens: M, new tokens per sample per policy version.
+        max_budget_tokens: M, new tokens per sample per policy version: the config's
+            ``rollout.max_budget`` (flag ``--max_budget``) under the name stored with the run in
+            Redis and shown by ``asyncrl buffer stats``, which therefore stays.
         max_response_len: hard cap on response tokens (finishes with ``length``).
         max_staleness: eta in policy versions.
         stale_policy: ``restart`` | ``drop`` | ``keep``.
@@ -133,10 +135,12 @@ class BufferSettings:
 
     @classmethod
     def from_partial_percent(cls, rollout_batch_size: int, partial_percent: float, **kw: Any) -> "BufferSettings":
-        """Settings with B = ceil(p * R) (ARCHITECTURE §3)."""
+        """Settings with B = ceil(p * R) (:func:`asyncrl.config.train_batch_groups`)."""
+        from asyncrl.config import train_batch_groups
+
         if not 0 < partial_percent <= 1:
             raise BadRequest(f"partial_percent must be in (0, 1], got {partial_percent}")
-        b = max(1, math.ceil(partial_percent * rollout_batch_size - 1e-9))
+        b = train_batch_groups(partial_percent, rollout_batch_size)
         return cls(rollout_batch_size=rollout_batch_size, train_batch_groups=b, **kw)
 
     def lua_args(self) -> list[Any]:

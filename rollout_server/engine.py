@@ -47,7 +47,7 @@ from rollout_server.engine_weights import DEFERRED, EngineWeights
 from rollout_server.kv_cache import KVCacheSlots
 from rollout_server.sampling import RequestError, SamplingParams
 
-__all__ = ["Engine", "EngineSample", "PromptGroup", "abort_reason", "RequestError"]
+__all__ = ["Engine", "EngineSample", "EngineGroup", "abort_reason", "RequestError"]
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,12 @@ class EngineSample:
 
 
 @dataclass(eq=False)
-class PromptGroup:
-    """Samples that share one prompt (and so one prefill): one prompt's ``n`` samples."""
+class EngineGroup:
+    """Samples that share one prompt (and so one prefill): one prompt's ``n`` samples.
+
+    The engine's unit of submission, not the buffer's prompt group (:class:`asyncrl.types.PromptGroup`,
+    which carries a group id, metadata and its place in the run).
+    """
 
     prompt_ids: list[int]
     samples: list[EngineSample]
@@ -210,7 +214,7 @@ class Engine(KVCacheSlots, EngineWeights, EngineOutputs):
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, groups: Iterable[PromptGroup]) -> None:
+    def submit(self, groups: Iterable[EngineGroup]) -> None:
         """Queue prompt groups for generation (their samples must have unique rids)."""
         self._inbox.put(("submit", list(groups)))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout_server.engine import Engine, EngineSample, PromptGroup
+from rollout_server.engine import Engine, EngineGroup, EngineSample
 from rollout_server.sampling import RequestError, SamplingParams
 
 __all__ = [
@@ -93,7 +93,7 @@ async def read_json_body(request: web.Request, allow_empty: bool = True) -> dict
     return body
 
 
-def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[PromptGroup], list[EngineSample], bool, bool]:
+def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[EngineGroup], list[EngineSample], bool, bool]:
     """Validate a /generate body into prompt groups; returns (groups, samples, is_batch, stream).
 
     Raises:
@@ -195,7 +195,7 @@ def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[PromptG
             )
             k += 1
             group.append(s)
-        groups.append(PromptGroup(list(prompt), group))
+        groups.append(EngineGroup(list(prompt), group))
         samples += group
     return groups, samples, is_batch or total > 1, stream
 

@@ -44,7 +44,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncrl.aio import wait_event
-from rollout_server.engine import Engine, EngineSample, PromptGroup
+from rollout_server.engine import Engine, EngineGroup, EngineSample
 from rollout_server.requests import (
     IncrementalDetokenizer,
     decode_output,
@@ -393,7 +393,7 @@ class RolloutHTTPServer(WeightEndpoints):
         sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}, self.engine.vocab_size)
         s = EngineSample(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[0], params=sp)
         s.waiter = asyncio.Event()
-        self.engine.submit([PromptGroup([0], [s])])
+        self.engine.submit([EngineGroup([0], [s])])
         deadline = time.monotonic() + _HEALTH_TIMEOUT_SECONDS
         while s.published[1] is None:
             left = deadline - time.monotonic()

@@ -118,6 +118,20 @@ def test_headline_flags_as_users_type_them():
     assert cfg.rollout.train_batch_groups == 12  # ceil(0.7 * 16)
 
 
+@pytest.mark.parametrize("p", [0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 0.9, 1.0])
+@pytest.mark.parametrize("r", [1, 3, 7, 10, 16, 64])
+def test_config_and_buffer_share_one_train_batch_formula(p, r):
+    from asyncrl.config import train_batch_groups
+    from buffers import BufferSettings
+
+    b = train_batch_groups(p, r)
+    assert b == max(1, -(-round(p * r * 1000) // 1000))  # ceil(p * R), exact for these p and R
+    cfg = load_config(["--partial_percent", str(p), "--rollout.rollout_batch_size", str(r), "--max_staleness", "1"], environ={})
+    assert cfg.rollout.train_batch_groups == b
+    assert BufferSettings.from_partial_percent(r, p).train_batch_groups == b
+    assert BufferSettings.from_config(cfg).train_batch_groups == b
+
+
 def test_asyncrl_config_env_names_the_yaml(tmp_path):
     path = _write(tmp_path, "run:\n  name: from-env-file\n")
     cfg = load_config([], environ={"ASYNCRL_CONFIG": str(path)})

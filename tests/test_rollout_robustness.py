@@ -32,7 +32,7 @@ import pytest
 
 from asyncrl.net import free_port
 from rollout_server.client import EngineClient, EngineError
-from rollout_server.engine import Engine, EngineSample, PromptGroup
+from rollout_server.engine import Engine, EngineGroup, EngineSample
 from rollout_server.sampling import SamplingParams
 from rollout_server.testing import greedy_reference, make_random_model
 
@@ -121,7 +121,7 @@ def test_masked_kv_columns_never_reach_attention(model_dir):
         samples = {}
         for i, (rid, prompt) in enumerate(prompts.items()):
             samples[rid] = _sample(rid, prompt, lengths[rid])
-            eng.submit([PromptGroup(prompt, [samples[rid]])])
+            eng.submit([EngineGroup(prompt, [samples[rid]])])
             if rid == "r4":
                 eng.abort("r2")  # leaves a dead slot in the middle of the batch
             time.sleep(0.02 * (i % 3))
@@ -150,14 +150,14 @@ def test_nonfinite_row_fails_alone(model_dir):
     try:
         others = [_sample(f"ok{i}", [5 + i, 6, 7, 8], 20, temperature=1.0) for i in range(3)]
         victim = _sample("victim", [9, 10, 11], 20, temperature=1.0)
-        eng.submit([PromptGroup(s.prompt_ids, [s]) for s in others[:2] + [victim] + others[2:]])
+        eng.submit([EngineGroup(s.prompt_ids, [s]) for s in others[:2] + [victim] + others[2:]])
         _wait(others + [victim])
         assert victim.finish_reason["status_code"] == 500
         assert "non-finite logits" in victim.finish_reason["message"] and "victim" in victim.finish_reason["message"]
         assert [s.finish_reason["type"] for s in others] == ["length"] * 3
         assert eng.error is None and eng.stats["nonfinite_logits_total"] == 1
         again = _sample("after", [1, 2, 3], 5)  # the engine keeps serving
-        eng.submit([PromptGroup(again.prompt_ids, [again])])
+        eng.submit([EngineGroup(again.prompt_ids, [again])])
         _wait([again])
         assert again.finish_reason["type"] == "length"
     finally:
