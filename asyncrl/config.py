@@ -16,7 +16,8 @@ Sources, highest priority first (see :func:`load_config`):
 4. the defaults below.
 
 Unknown keys and flags are errors. The meaning of ``partial_percent``, ``max_budget`` and
-``max_staleness`` is defined in ``ARCHITECTURE.md`` §3 and explained in ``docs/concepts.md``.
+``max_staleness`` is defined in ``docs/architecture.md`` (the three knobs) and explained in
+``docs/concepts.md``.
 """
 
 from __future__ import annotations
@@ -318,7 +319,7 @@ class TrainerConfig(_Section):
 
 class WeightSyncConfig(_Section):
     transport: Literal["disk", "http", "nccl"] = "disk"
-    """How rollout servers receive weights (ARCHITECTURE §7)."""
+    """How rollout servers receive weights (docs/architecture.md#weight-sync)."""
     interval: int = Field(1, ge=1)
     """Publish weights (move the version clock) every this many optimizer steps."""
     dir: Path | None = None

@@ -1,6 +1,6 @@
 """``asyncrl train``: asynchronous partial-rollout RL end to end on one machine.
 
-The controller runs every role as its own process, exactly as a cluster would (ARCHITECTURE §1):
+The controller runs every role as its own process, exactly as a cluster would (docs/architecture.md#roles):
 
 1. resolves the config (flags > ``ASYNCRL_*`` > YAML > defaults; :mod:`asyncrl.train`) and
    writes it to ``<run_dir>/config.yaml``;

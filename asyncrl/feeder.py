@@ -1,4 +1,6 @@
-"""The prompt feeder: streams prompt groups from the task into the replay buffer (ARCHITECTURE §4.1).
+"""The prompt feeder: streams prompt groups from the task into the replay buffer.
+
+Step 1 of docs/architecture.md#data-flow-of-one-sample.
 
 ``asyncrl train`` runs it as its own process (``python -m asyncrl.feeder --config F``, the Redis
 URL in ``ASYNCRL_BUFFER__REDIS_URL``). It keeps about R (``rollout.rollout_batch_size``)

@@ -5,7 +5,7 @@
 
 * AOF on, ``appendfsync everysec``: an acknowledged write survives a ``kill -9`` of the Redis
   process (it is in the kernel's page cache once the command returns, and the AOF file is
-  reopened on restart); a power loss may lose the last second (ARCHITECTURE §6);
+  reopened on restart); a power loss may lose the last second (docs/architecture.md#redis-layout-and-guarantees);
 * data in the run directory (``<dir>/appendonlydir``), so a restart on the same directory
   recovers every key;
 * loopback only and a generated password (``requirepass``), protected mode on.

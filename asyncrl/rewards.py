@@ -5,7 +5,7 @@ A reward function has the signature ``fn(prompt: str, response: str, metadata: d
 ``problem_hash``, ...). :class:`RewardScorer` runs the configured one and never raises: a
 function that raises, returns a non-number, or hangs the verifier gives a
 :class:`RewardResult` with ``error`` set, and the rollout worker marks the sample FAILED
-(ARCHITECTURE §3).
+(docs/architecture.md#failed-samples).
 
 **Answer extraction** (one function, :func:`check_answer`, for training and evaluation alike):
 the *answer region* of a response is the rest of the line after its last ``Answer:`` (case

@@ -11,7 +11,7 @@ Training prompts come from :class:`TrainPromptStream`, a deterministic function 
 ``(data config, tokenizer, seed, cursor)``: cursor ``c`` is the ``c``-th prompt fed, epoch
 ``c // N`` visits the ``N`` train problems in a permutation seeded by ``(seed, epoch)``. The
 controller records the cursor, so a restart neither skips nor repeats a prompt
-(ARCHITECTURE §4.1).
+(docs/architecture.md#data-flow-of-one-sample, step 1).
 
 Prompts are rendered with the tokenizer's chat template (system message from
 ``data.system_prompt``, ``add_generation_prompt=True``), followed by the optional assistant

@@ -6,7 +6,7 @@ What and why:
 * A **sample** is one response being generated: token ids, per-token behaviour logprobs and
   per-token policy versions (``versions[t]`` is the version of the weights that produced
   ``response_ids[t]``), its segments, status, finish reason, reward, optional precomputed
-  advantages, how often it was resumed, and timestamps (ARCHITECTURE §2).
+  advantages, how often it was resumed, and timestamps (docs/architecture.md#vocabulary).
 * Arrays travel and are stored packed (little-endian int32 / float32): :func:`pack_i32`,
   :func:`unpack_i32`, :func:`pack_f32`, :func:`unpack_f32`. A Python list of 2,048 ints is
   ~60 kB of pickled objects; the packed form is 8 kB and needs no JSON parsing in Lua.
@@ -59,7 +59,10 @@ class SampleStatus(str, Enum):
     SCORED = "scored"
     """Complete and rewarded; trainable."""
     FAILED = "failed"
-    """The reward function failed; ``error`` says why. Its group trains without it (ARCHITECTURE §3)."""
+    """The reward function failed; ``error`` says why. Its group trains without it.
+
+    docs/architecture.md#failed-samples.
+    """
 
 
 class GroupState(str, Enum):
@@ -178,7 +181,7 @@ class WorkItem:
 
     For ``kind == GENERATE`` call the engine with ``input_ids = prompt_ids + response_ids`` and
     ``max_new_tokens`` (= ``min(M - produced_under_version_tokens, max_response_len -
-    len(response_ids))``, ARCHITECTURE §3), append chunks, then end the segment. For
+    len(response_ids))``, docs/architecture.md#the-three-knobs), append chunks, then end the segment. For
     ``kind == SCORE`` run the reward function and call ``score``. ``claim_token`` fences the
     lease: once the lease is reclaimed or a recovery revokes it, every call with this token
     raises :class:`buffers.errors.LeaseLost` and changes nothing. ``length_tokens`` is the
@@ -205,7 +208,7 @@ class WorkItem:
 class BatchGroup:
     """One prompt group of a train batch: its trainable (SCORED) samples, oldest version, staleness.
 
-    ``staleness = batch.version - oldest_version`` (ARCHITECTURE §2); ``n_failed`` samples were
+    ``staleness = batch.version - oldest_version`` (docs/architecture.md#vocabulary); ``n_failed`` samples were
     left out because their reward function failed.
     """
 
@@ -315,7 +318,7 @@ def unpack_f32(data: bytes | None) -> list[float]:
 
 
 def staleness(clock_version: int, token_versions: Sequence[int]) -> int:
-    """Staleness of a sample trained at ``clock_version`` (ARCHITECTURE §2).
+    """Staleness of a sample trained at ``clock_version`` (docs/architecture.md#vocabulary).
 
     ``clock_version - min(token_versions)``; 0 for an empty response.
     """

@@ -1,7 +1,7 @@
 """The replay buffer client: feed, claim, append, score, batch, acknowledge, commit, recover.
 
-One :class:`ReplayBuffer` per process over one ``redis.asyncio.Redis`` (ecosystem B.5: one
-client per process, shared by its tasks). Every transition is one Lua script in
+One :class:`ReplayBuffer` per process over one ``redis.asyncio.Redis`` (redis-py's asyncio
+guidance: one client per process, shared by its tasks). Every transition is one Lua script in
 ``buffers/lua`` (validate first, then write), so a client killed between two calls leaves no
 half-applied state, and a Redis killed with ``kill -9`` keeps every acknowledged write (AOF,
 see ``asyncrl/redis_server.py``). The API contract and state diagram are in docs/buffer.md.
@@ -63,7 +63,7 @@ _SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort"}
 
 @dataclass(frozen=True)
 class BufferSettings:
-    """The knobs the buffer enforces (ARCHITECTURE §3); stored with the run on first open.
+    """The knobs the buffer enforces (docs/architecture.md#the-three-knobs); stored with the run on first open.
 
     Args:
         rollout_batch_size: R, cap on groups being generated (admitted, not yet READY).

@@ -1,11 +1,11 @@
 """Key names of a run's keyspace: every key starts with ``asyncrl:{<run>}:`` (one hash slot).
 
-Keys (ARCHITECTURE §6): ``schema`` (string), ``settings`` (hash), ``version``, ``lineage``,
-``cursor`` (ints), ``weights:latest`` (hash) and the ``weights`` pub/sub channel, ``pending``
-(list of fed group ids), ``group:<gid>`` and ``sample:<gid>/<i>`` (hashes, arrays packed),
-``fresh`` / ``resumable`` / ``parked`` / ``unscored`` / ``leases`` (sorted sets of sample ids),
-``inflight`` / ``groups`` / ``ready`` (sorted sets of group ids by admission order), ``replay``
-(list), ``batch:<bid>`` (hash), ``batch:open``, ``acked_batches`` (sorted set by step),
+Keys (docs/architecture.md#redis-layout-and-guarantees): ``schema`` (string), ``settings`` (JSON),
+``version``, ``lineage``, ``cursor`` (ints), ``weights:latest`` (hash) and the ``weights`` pub/sub
+channel, ``pending`` (list of fed group ids), ``group:<gid>`` and ``sample:<gid>/<i>`` (hashes,
+arrays packed), ``fresh`` / ``resumable`` / ``parked`` / ``unscored`` / ``leases`` (sorted sets of
+sample ids), ``inflight`` / ``groups`` / ``ready`` (sorted sets of group ids by admission order),
+``replay`` (list), ``batch:<bid>`` (hash), ``batch:open``, ``acked_batches`` (sorted set by step),
 ``committed_batches`` (set), ``dropped`` (hash gid -> reason), ``stats`` (hash of counters).
 """
 

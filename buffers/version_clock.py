@@ -1,6 +1,6 @@
 """The policy-version clock, lineage and weight announcements, kept in Redis.
 
-The clock is the newest *published* policy version (ARCHITECTURE §2). It moves forward only
+The clock is the newest *published* policy version (docs/architecture.md#vocabulary). It moves forward only
 through a compare-and-set script (:meth:`VersionClock.publish`), which also writes
 ``weights:latest`` (version, uri, checksum, lineage) and publishes the same JSON on the run's
 ``weights`` channel. The one exception is a recovery rewind (``ReplayBuffer.recover``), which

@@ -1,6 +1,7 @@
 """The one async HTTP client asyncrl uses for every rollout engine (SGLang or the embedded one).
 
-It speaks SGLang's native API (``sglang_api.md``): ``/generate`` (plain or streamed),
+It speaks SGLang's native API (https://docs.sglang.io/basic_usage/native_api.html; the subset
+asyncrl uses is in docs/rollout.md): ``/generate`` (plain or streamed),
 ``/abort_request``, ``/pause_generation`` / ``/continue_generation``, the weight-update
 endpoints, info, loads and health.
 

@@ -1,7 +1,7 @@
 """What the embedded server reads and writes: /generate parsing, response objects, JSON bodies, detokenizing.
 
-One job: the shapes of SGLang's native API (``sglang_api.md`` §7) as the embedded engine
-speaks it. :func:`parse_generate` validates a ``/generate`` body into prompt groups (any
+One job: the shapes of SGLang's native API (the subset in docs/rollout.md, "HTTP API") as the
+embedded engine speaks it. :func:`parse_generate` validates a ``/generate`` body into prompt groups (any
 problem is a :class:`RequestError`, a 400 before anything reaches the engine);
 :func:`response_object` shapes one output (``_handle_batch_output``'s shape, with ``[logprob,
 id, null]`` triples and per-token weight-version spans); :class:`IncrementalDetokenizer`

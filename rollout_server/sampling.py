@@ -1,14 +1,15 @@
 """SGLang-compatible sampling parameters and the batched sampler of the embedded engine.
 
 :class:`SamplingParams` accepts exactly the keys of SGLang's ``SamplingParams``
-(``python/sglang/srt/sampling/sampling_params.py``, sglang_api.md §1.2) so that slime's and
+(``python/sglang/srt/sampling/sampling_params.py``;
+https://docs.sglang.io/basic_usage/sampling_params.html) so that slime's and
 AReaL's payloads work unchanged; unknown keys and out-of-range values raise
 :class:`RequestError` (HTTP 400, SGLang's ``{"error": {"message": ...}}`` shape).
 
 :func:`sample_tokens` turns one fp32 logits row per sequence into the next token and its
 **behaviour logprob** ``log_softmax((logits + adjustments) / T)[token]`` — the full
 distribution before top-k/top-p/min-p truncation, which is exactly what the trainer recomputes
-when RL runs with ``top_p = 1, top_k = -1`` (ARCHITECTURE §2). Greedy (``temperature <
+when RL runs with ``top_p = 1, top_k = -1`` (docs/architecture.md#vocabulary). Greedy (``temperature <
 1e-6``, SGLang's rule) takes the argmax and reports ``log_softmax(logits)[token]`` (T
 treated as 1, as SGLang does internally for greedy).
 

@@ -1,5 +1,6 @@
-"""aiohttp server exposing the embedded engine with SGLang's native HTTP API (the subset of
-``sglang_api.md`` §7, same request and response shapes), so asyncrl has one client for both.
+"""aiohttp server exposing the embedded engine with SGLang's native HTTP API (the subset in
+docs/rollout.md#http-api-the-sglang-subset-same-shapes, same request and response shapes), so
+asyncrl has one client for both.
 
 Endpoints: ``/generate`` (input_ids or text, batches, ``n``, SGLang's sampling params,
 ``return_logprob`` with ``[logprob, id, null]`` triples, SSE streaming — cumulative chunks by

@@ -1,7 +1,7 @@
 """SGLang backend: the ``python -m sglang.launch_server`` command line derived from the config.
 
 :func:`sglang_command` maps asyncrl's config to SGLang's documented server flags
-(``docs/advanced_features/server_arguments.md``, sglang_api.md §5): model path, host/port,
+(https://docs.sglang.io/advanced_features/server_arguments.html): model path, host/port,
 ``--tp-size``, ``--mem-fraction-static``, ``--max-running-requests``, ``--dtype``,
 ``--api-key``, ``--weight-version`` (the policy version, so every ``meta_info.weight_version``
 is an asyncrl version), ``--enable-metrics`` (Prometheus ``/metrics``),
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["SGLANG_DOCUMENTED_FLAGS", "sglang_available", "sglang_command"]
 
-#: Server flags documented by SGLang (server_arguments.md; sglang_api.md §5) that asyncrl may emit.
+#: Server flags documented by SGLang (its server arguments page, above) that asyncrl may emit.
 SGLANG_DOCUMENTED_FLAGS: dict[str, bool] = {  # flag -> takes a value
     "--model-path": True,
     "--tokenizer-path": True,

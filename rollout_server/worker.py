@@ -1,4 +1,6 @@
-"""The streaming rollout worker: buffer work -> engine ``/generate`` stream -> buffer (ARCHITECTURE §4).
+"""The streaming rollout worker: buffer work -> engine ``/generate`` stream -> buffer.
+
+Steps 3-7 and 12 of docs/architecture.md#data-flow-of-one-sample.
 
 One :class:`RolloutWorker` drives **one** rollout engine (SGLang or the embedded torch engine,
 through :class:`rollout_server.client.EngineClient`) for **one** run's replay buffer. Several

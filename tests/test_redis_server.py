@@ -1,6 +1,7 @@
 """Embedded Redis: real redis-server processes, real kills, the `asyncrl redis` command.
 
-The durability test is the guarantee of ARCHITECTURE §6: with AOF ``appendfsync everysec``,
+The durability test is the guarantee of docs/architecture.md#redis-layout-and-guarantees: with
+AOF ``appendfsync everysec``,
 every write Redis acknowledged survives a ``kill -9`` of the Redis process.
 """
 

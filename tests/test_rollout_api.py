@@ -1,4 +1,7 @@
-"""API conformance of the embedded engine server against SGLang's shapes (sglang_api.md §1–§4, §7).
+"""API conformance of the embedded engine server against SGLang's shapes.
+
+SGLang's native API: https://docs.sglang.io/basic_usage/native_api.html; the subset asyncrl
+speaks is in docs/rollout.md.
 
 Real server processes (``python -m rollout_server.server``) on loopback, real HTTP, the tiny
 model with redrawn weights (``make_random_model``), fp32.

@@ -1,4 +1,4 @@
-"""Synchronous equivalence (ARCHITECTURE §3, issue 5 acceptance test 1).
+"""Synchronous equivalence (docs/architecture.md#synchronous-equivalence, issue 5 acceptance test 1).
 
 With ``p = 1``, ``max_budget >= max_response_len``, ``eta = 0`` and a fixed seed, asyncrl must
 be plain synchronous on-policy RL: the same batches, in the same order, and the same loss

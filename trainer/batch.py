@@ -11,7 +11,7 @@ wiring the trainer to the buffer is a thin adapter: any object with ``next_batch
 async) returning a list of groups and ``acknowledge(step)`` is a :class:`BatchSource`.
 
 Loss masks (per response token):
-- a failed sample (``error`` set or no reward) is left out of the batch (ARCHITECTURE §3: the
+- a failed sample (``error`` set or no reward) is left out of the batch (docs/architecture.md#failed-samples: the
   group trains with the samples that succeeded if at least two remain, else it is skipped);
 - ``mask_too_long``: samples with ``finish_reason == "length"`` contribute no loss token (DAPO
   overlong filtering, AReaL ``mask_too_long``); they still count in their group's baseline;

@@ -1,12 +1,12 @@
 """``asyncrl trainer --config F [--FIELD VALUE ...]``: run the DeepSpeed trainer.
 
-Works as a single process, under ``torchrun --nproc-per-node N -m asyncrl.cli trainer ...``
-(or ``torchrun $(which asyncrl) trainer ...``) and under the ``deepspeed`` launcher: every rank
-builds the engine; rank 0 talks to the buffer and broadcasts each batch. On start the newest
-checkpoint in ``<run_dir>/checkpoints`` is restored and the buffer is rewound to it
-(``recover``: ARCHITECTURE §6); with no checkpoint the buffer is rewound to step 0, version 0
-(a trainer killed before its first checkpoint starts over, acknowledged steps are handed out
-again). SIGTERM/SIGINT: the current step finishes, a checkpoint is written, exit 0.
+Works as a single process, under ``torchrun --nproc-per-node N -m asyncrl.cli trainer ...`` (or
+``torchrun $(which asyncrl) trainer ...``) and under the ``deepspeed`` launcher: every rank builds
+the engine; rank 0 talks to the buffer and broadcasts each batch. On start the newest checkpoint in
+``<run_dir>/checkpoints`` is restored and the buffer is rewound to it (``recover``:
+docs/architecture.md#acknowledgement-and-recovery); with no checkpoint the buffer is rewound to step
+0, version 0 (a trainer killed before its first checkpoint starts over, acknowledged steps are
+handed out again). SIGTERM/SIGINT: the current step finishes, a checkpoint is written, exit 0.
 
 Batches come from the Redis buffer at ``buffer.redis_url``; for offline runs and tests the
 environment variable ``ASYNCRL_TRAINER_BATCHES=file.jsonl`` replays recorded batches instead

@@ -51,7 +51,7 @@ class PhaseTimer:
 
     Args:
         metrics: an :class:`asyncrl.metrics.TrainerMetrics` (rank 0) or None: the four
-            ARCHITECTURE §5 phases are also observed into its step-duration histogram (the same
+            phases of docs/architecture.md#training-step are also observed into its step-duration histogram (the same
             corrected seconds) and ``wait_batch`` marks the trainer idle.
         clock: the run's :class:`asyncrl.tracking.RunClock` or None (no correction).
     """

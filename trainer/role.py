@@ -1,10 +1,10 @@
 """The trainer role: build the trainer, restore its checkpoint, rewind the buffer, run the loop.
 
 One job: :func:`run_trainer`, what ``asyncrl trainer`` runs once its command line is parsed
-(:mod:`trainer.cli`), on every rank. On start the newest checkpoint in ``<run_dir>/checkpoints``
-is restored and the buffer is rewound to it (``recover``: ARCHITECTURE §6); with no checkpoint
-the buffer is rewound to step 0, version 0. SIGTERM/SIGINT: the current step finishes, a
-checkpoint is written, exit 0.
+(:mod:`trainer.cli`), on every rank. On start the newest checkpoint in ``<run_dir>/checkpoints`` is
+restored and the buffer is rewound to it (``recover``:
+docs/architecture.md#acknowledgement-and-recovery); with no checkpoint the buffer is rewound to step
+0, version 0. SIGTERM/SIGINT: the current step finishes, a checkpoint is written, exit 0.
 """
 
 from __future__ import annotations

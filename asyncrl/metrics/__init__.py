@@ -10,7 +10,7 @@ Layout (import everything from ``asyncrl.metrics``; the modules are one job each
 one catalogue per role (``rollout``, ``buffer``, ``trainer``, ``controller``), ``serving``
 (build info, registries, exposition, HTTP servers) and ``lint`` (:func:`lint_exposition`).
 
-Conventions (prometheus.io "Metric and label naming"; ``ecosystem.md`` B.1):
+Conventions (prometheus.io "Metric and label naming", https://prometheus.io/docs/practices/naming/):
 
 * names start with ``asyncrl_<subsystem>_``, are snake_case and never contain ``:`` (colons
   are for recording rules, see ``monitoring/prometheus/rules/``);

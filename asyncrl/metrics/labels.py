@@ -14,7 +14,8 @@ import prometheus_client
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-# The _created series double the series count and are used by nothing here (ecosystem B.1).
+# The _created series double the series count and are used by nothing here (prometheus_client
+# docs, "Disabling _created metrics").
 prometheus_client.disable_created_metrics()
 
 # ----------------------------------------------------------------------------------------------
@@ -35,15 +36,16 @@ SAMPLE_STATES: tuple[str, ...] = ("queued", "generating", "partial", "scoring", 
 #: READY for the trainer, handed to the trainer (claimed, not yet acknowledged), acknowledged
 #: by a step but not yet covered by a checkpoint.
 GROUP_STATES: tuple[str, ...] = ("in_flight", "ready", "claimed", "acknowledged")
-#: Why a sample or group left the run untrained (ARCHITECTURE §3, §6).
+#: Why a sample or group left the run untrained (docs/architecture.md: the stale policies of
+#: #the-three-knobs, #failed-samples, #acknowledgement-and-recovery).
 DROP_REASONS: tuple[str, ...] = ("stale", "reward_error", "invalid", "lineage", "too_long")
 #: Why a sample or group was regenerated from its pristine prompt.
 RESTART_REASONS: tuple[str, ...] = ("stale", "lineage", "lease_expired")
 #: Outcome of scoring one sample (accuracy = correct / (correct + incorrect)).
 SCORE_OUTCOMES: tuple[str, ...] = ("correct", "incorrect", "error")
-#: The named, timed phases of one trainer step (ARCHITECTURE §5).
+#: The named, timed phases of one trainer step (docs/architecture.md#training-step).
 TRAINER_PHASES: tuple[str, ...] = ("wait_batch", "forward_backward", "optim_step", "publish_weights")
-#: Weight transports (ARCHITECTURE §7).
+#: Weight transports (docs/architecture.md#weight-sync).
 WEIGHT_TRANSPORTS: tuple[str, ...] = ("disk", "http", "nccl")
 #: Result of an operation that can fail.
 RESULTS: tuple[str, ...] = ("ok", "error")

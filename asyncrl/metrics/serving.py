@@ -93,7 +93,8 @@ def metrics_app_handler(registry: CollectorRegistry):
     """An aiohttp handler serving ``registry`` (``app.router.add_get("/metrics", handler)``).
 
     The content type carries a charset, so it goes in ``headers`` — aiohttp's
-    ``content_type=`` argument rejects charsets (ecosystem.md B.1). Serves the classic text
+    ``content_type=`` argument rejects charsets (``ValueError: charset must not be in
+    content_type argument``). Serves the classic text
     format whatever the ``Accept`` header says (see :func:`exposition`), so a registry that
     also holds SGLang-named engine metrics keeps their colons.
     """
@@ -115,7 +116,7 @@ def start_metrics_server(registry: CollectorRegistry, port: int, host: str = "12
     Same body as :func:`metrics_app_handler` (classic text format, see :func:`exposition`).
 
     For roles without an HTTP server of their own (trainer rank 0, the controller). ``port`` 0
-    picks a free port. Loopback by default (ARCHITECTURE §8); in a pod pass ``0.0.0.0``.
+    picks a free port. Loopback by default (docs/architecture.md#operations); in a pod pass ``0.0.0.0``.
 
     Raises:
         OSError: the port is taken (the message names it).

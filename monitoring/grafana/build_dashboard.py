@@ -7,8 +7,10 @@ reads files, not Python); ``tests/test_monitoring.py`` checks that the committed
 this script's output, that every expression parses (promtool) and that every metric it names
 exists in asyncrl's registries (asyncrl/metrics/) or is an SGLang engine metric.
 
-Classic dashboard model (ecosystem.md B.2): stable ``uid``, ``id: null``, no ``__inputs``,
-a ``datasource`` template variable. Run: ``python monitoring/grafana/build_dashboard.py``.
+Classic dashboard model (Grafana's "Dashboard JSON model",
+https://grafana.com/docs/grafana/latest/dashboards/build-dashboards/view-dashboard-json-model/):
+stable ``uid``, ``id: null``, no ``__inputs``, a ``datasource`` template variable.
+Run: ``python monitoring/grafana/build_dashboard.py``.
 """
 
 from __future__ import annotations
