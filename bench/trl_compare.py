@@ -1,0 +1,198 @@
+"""asyncrl against TRL's GRPOTrainer on the same machine, model, prompts, reward and knobs:
+held-out accuracy against training wall time, and the time each needs to reach 60, 70 and 80%.
+
+The workload is the main job (``configs/smollm2_arith.yaml``): SmolLM2-135M-Instruct fp32;
+asyncrl's own train-prompt stream (chat template, system prompt, ``A + B =`` prefill, in stream
+order); the ``math_verify`` reward; 6 prompts x 8 samples per step; lr 2e-5 constant; PPO clip
+0.2 / 0.28; no KL; temperature 1.0; at most 64 new tokens; gradient clip 1.0; token-level loss
+aggregation (TRL ``loss_type="dapo"``, asyncrl ``aggregation: token``).
+
+- **TRL** (synchronous ``GRPOTrainer``, ``transformers.generate``, 2 torch threads, one
+  process). TRL is not an asyncrl dependency: run this script with a Python that has ``trl``
+  (e.g. ``python -m venv --system-site-packages /tmp/trlenv && /tmp/trlenv/bin/pip install trl``).
+  The model is saved every ``--save_every`` seconds of training (saving time excluded) and each
+  snapshot is scored afterwards.
+- **asyncrl** (``asyncrl train`` on the main config as a user runs it): periodic held-out
+  evaluation every ``--asyncrl_eval_every`` steps, time excluded from the training clock.
+
+Both are scored by ``asyncrl eval`` on the same 400 held-out problems, sampled at T = 1 (the
+embedded engine; 95% Wilson intervals). "Time to X%" is the training wall time of the first
+evaluation at or above X (so it is resolved to the evaluation spacing). Output: one JSON with
+both curves and the ratios.
+
+Status: written, not yet run end to end (no results in docs/ yet; #17 item 5).
+
+Usage: ``/tmp/trlenv/bin/python bench/trl_compare.py --minutes 14 [--only trl|asyncrl] [--json F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
+THRESHOLDS = (0.6, 0.7, 0.8)
+
+
+def eval_model(model_dir: Path, num_problems: int, threads: int) -> dict:
+    """``asyncrl eval`` (sampled, T = 1) of one model directory; the sampled result dict."""
+    cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(CONFIG), "--model", str(model_dir),
+           "--modes", "sampled", "--num_problems", str(num_problems), "--threads", str(threads), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    if out.returncode != 0:
+        raise SystemExit(f"asyncrl eval failed on {model_dir}:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)[0]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int, num_problems: int) -> list[dict]:
+    """TRL GRPOTrainer for ``seconds`` of training; returns [{minutes, step, accuracy, ...}]."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncrl.config import load_config
+    from asyncrl.models import resolve_model_path
+    from asyncrl.rewards import math_verify_reward
+    from asyncrl.tasks import TrainPromptStream
+
+    torch.set_num_threads(threads)
+    cfg = load_config(["--config", str(CONFIG)], environ={})
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.run.seed)
+    n_prompts = 6 * 400  # more than any run here consumes
+    rows = [stream.get(c) for c in range(n_prompts)]
+    data = Dataset.from_dict({"prompt": [r.prompt_text for r in rows], "gold": [r.problem.gold for r in rows]})
+
+    def reward(completions, gold, **_):
+        return [math_verify_reward("", c, {"gold": g}) for c, g in zip(completions, gold)]
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trl"), per_device_train_batch_size=48, num_generations=8,
+        max_completion_length=cfg.rollout.max_response_len, temperature=1.0, top_p=1.0,
+        learning_rate=cfg.trainer.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", max_grad_norm=1.0,
+        num_iterations=1, max_steps=400, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, bf16=False, seed=0, shuffle_dataset=False, dataloader_num_workers=0,
+    )
+    snapshots: list[tuple[float, int, Path]] = []
+
+    class Clock(TrainerCallback):
+        """Training wall time without the snapshot saves; snapshot every ``save_every`` s; stop at ``seconds``."""
+
+        def __init__(self):
+            self.start = time.perf_counter()
+            self.paused = 0.0
+            self.next_save = save_every
+
+        def on_step_end(self, args_, state, control, model=None, **kw):
+            t = time.perf_counter() - self.start - self.paused
+            if t >= self.next_save or t >= seconds:
+                t0 = time.perf_counter()
+                path = out_dir / "trl" / f"snapshot-{state.global_step:04d}"
+                model.save_pretrained(path, safe_serialization=True)
+                tokenizer.save_pretrained(path)
+                snapshots.append((t, state.global_step, path))
+                self.paused += time.perf_counter() - t0
+                self.next_save += save_every
+            if t >= seconds:
+                control.should_training_stop = True
+            return control
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    curve = [{"minutes": 0.0, "step": 0, **_acc(eval_model(model_dir, num_problems, threads))}]
+    for t, step, path in snapshots:
+        curve.append({"minutes": t / 60.0, "step": step, **_acc(eval_model(path, num_problems, threads))})
+        print("trl", json.dumps(curve[-1]), flush=True)
+    return curve
+
+
+def _acc(r: dict) -> dict:
+    return {"accuracy": r["accuracy"], "ci95_low": r["accuracy_ci_low"], "ci95_high": r["accuracy_ci_high"]}
+
+
+def run_asyncrl(out_dir: Path, seconds: float, eval_every: int, num_problems: int, extra: list[str]) -> list[dict]:
+    """``asyncrl train`` on the main config for ``seconds`` of training; its periodic evaluations."""
+    name = "asyncrl-vs-trl"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(CONFIG), "--run.name", name,
+           "--run.output_dir", str(out_dir), "--run.max_wall_seconds", str(int(seconds)), "--run.total_steps", "100000",
+           "--monitoring.eval_interval", str(eval_every), "--monitoring.eval_num_problems", str(num_problems),
+           "--monitoring.eval_modes", '["sampled"]', "--overwrite", *extra]
+    with (out_dir / f"{name}.log").open("w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT).returncode
+    if rc != 0:
+        raise SystemExit(f"asyncrl train exited {rc}; see {out_dir / (name + '.log')}")
+    curve = []
+    for line in (out_dir / name / "metrics-controller.jsonl").read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if "eval/accuracy_sampled" in rec:
+            curve.append({"minutes": rec["wall_seconds"] / 60.0, "step": rec["step"],
+                          "accuracy": rec["eval/accuracy_sampled"], "ci95_low": rec["eval/ci95_low"],
+                          "ci95_high": rec["eval/ci95_high"]})
+    return curve
+
+
+def time_to(curve: list[dict], level: float) -> float | None:
+    """Minutes of the first evaluation at or above ``level`` (None: never reached)."""
+    for point in curve:
+        if point["accuracy"] >= level:
+            return point["minutes"]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=14.0, help="training wall time of each system")
+    ap.add_argument("--save_every", type=float, default=90.0, help="TRL snapshot spacing, seconds of training")
+    ap.add_argument("--asyncrl_eval_every", type=int, default=8, help="asyncrl evaluation spacing, steps")
+    ap.add_argument("--num_problems", type=int, default=400)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", choices=["trl", "asyncrl"], default=None)
+    ap.add_argument("--asyncrl_args", default="", help="extra flags for asyncrl train (space-separated)")
+    ap.add_argument("--out_dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="trl_compare_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seconds = args.minutes * 60.0
+    report: dict = {"minutes": args.minutes, "num_problems": args.num_problems, "threads": args.threads}
+    if args.json and args.json.exists():
+        report.update(json.loads(args.json.read_text()))  # keep the other system's curve when re-running one
+    if args.only in (None, "asyncrl"):
+        report["asyncrl"] = run_asyncrl(out_dir, seconds, args.asyncrl_eval_every, args.num_problems,
+                                        args.asyncrl_args.split())
+    if args.only in (None, "trl"):
+        report["trl"] = run_trl(out_dir, seconds, args.save_every, args.threads, args.num_problems)
+    if "trl" in report and "asyncrl" in report:
+        report["time_to_accuracy_minutes"] = {
+            f"{int(level * 100)}%": {"trl": time_to(report["trl"], level), "asyncrl": time_to(report["asyncrl"], level)}
+            for level in THRESHOLDS}
+        report["trl_over_asyncrl"] = {
+            k: (v["trl"] / v["asyncrl"] if v["trl"] and v["asyncrl"] else None)
+            for k, v in report["time_to_accuracy_minutes"].items()}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
