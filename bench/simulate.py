@@ -47,9 +47,9 @@ running request advances one token per decode step, and a decode step with ``b``
 seconds (``EngineModel``). Between two events the batch does not change, so the time of the next
 segment end is exact for gamma = 0 and piecewise constant (refreshed every ``refresh_steps``
 steps) for gamma > 0. Requests that join are prefilled first (``prefill_per_token`` seconds per
-token, the prompt once per prompt group claimed together as the embedded engine and SGLang's
-shared prefix do; every request alone on the embedded engine, which has no prefix cache; prompt +
-response for a resumed sample), stalling the running rows. The
+token, stalling the running rows): a group's shared prompt once with SGLang's radix cache
+(``shared_prefix``), every request in full on the embedded engine, which has no prefix cache
+while the worker sends one request per sample; prompt + response for a resumed sample. The
 worker keeps ``max_inflight`` items claimed; the engine runs at most ``max_rows`` of them and
 only while their context plus segment fits ``kv_capacity`` (a claimed item that does not fit
 waits in the engine's queue, as SGLang's waiting queue). On a published version the server
@@ -126,7 +126,7 @@ import math
 import random
 import sys
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 INF = float("inf")
@@ -227,7 +227,7 @@ class ModelShape:
 QWEN25_7B = ModelShape(
     "Qwen2.5-7B", 7.62e9, 152064 * 3584, 28, 3584, 4, 128,
     "Qwen/Qwen2.5-7B config.json: 28 layers, hidden 3584, 28 heads, 4 KV heads (head dim 128), "
-    "vocab 152064; 7.61B parameters (model card)")
+    "intermediate 18944, vocab 152064, untied LM head: 7.62B parameters (the model card rounds to 7.61B)")
 LLAMA31_8B = ModelShape(
     "Llama-3.1-8B", 8.03e9, 128256 * 4096, 32, 4096, 8, 128,
     "meta-llama/Llama-3.1-8B config.json: 32 layers, hidden 4096, 8 KV heads (head dim 128), "
@@ -1636,7 +1636,7 @@ def gpu_config(total_gpus: int, workload: str, mode: str, rollout_gpus: int | No
     ``sync``: asyncrl's synchronous knobs, every GPU both rolls out and trains (colocated).
     ``async``: ``rollout_gpus`` SGLang servers and the rest training; R = B / p so that a train
     batch holds the same B groups; ``budget`` tokens per sample per version (None: the
-    workload's), ``max_staleness``.
+    workload's), ``max_staleness``. The first third of the ``steps`` is warm-up, not measured.
     """
     w = WORKLOADS[workload]
     B = groups
@@ -1645,15 +1645,15 @@ def gpu_config(total_gpus: int, workload: str, mode: str, rollout_gpus: int | No
                   engine=gpu_engine(), notice=0.0, fetch=0.0, load=load, seed=seed)
 
     def inflight(R: int, servers: int) -> int:
-        # each worker claims up to max_inflight_requests items and asyncrl has no other load
-        # balancing, so it is set to a server's share of the R groups being generated
+        """``max_inflight_requests``: a server's share of the R groups being generated (each
+        worker claims up to that many items and asyncrl has no other load balancing)."""
         return max(1, min(256, math.ceil(R * w["n"] / servers)))
 
     if mode == "sync":
         return SimConfig(name=f"{workload}, {total_gpus} GPUs, sync (colocated)", rollout_batch_size=B, partial_percent=1.0,
                          max_budget=w["L"], max_staleness=0, servers=total_gpus, trainer=gpu_trainer(total_gpus),
                          max_inflight=inflight(B, total_gpus), colocated=True, pause_mode=pause_mode,
-                         steps=steps or 6, warmup_steps=1, **common)
+                         steps=steps or 6, warmup_steps=max(1, (steps or 6) // 3), **common)
     if mode != "async":
         raise ValueError(f"mode must be sync or async, got {mode!r}")
     rollout_gpus = rollout_gpus or total_gpus * 3 // 4
@@ -1665,7 +1665,8 @@ def gpu_config(total_gpus: int, workload: str, mode: str, rollout_gpus: int | No
                           f"p {partial_percent:g}, M {M}, eta {max_staleness}",
                      rollout_batch_size=R, partial_percent=partial_percent, max_budget=M, max_staleness=max_staleness,
                      servers=rollout_gpus, trainer=gpu_trainer(total_gpus - rollout_gpus), pause_mode=pause_mode,
-                     max_inflight=inflight(R, rollout_gpus), steps=steps or 14, warmup_steps=4, **common)
+                     max_inflight=inflight(R, rollout_gpus), steps=steps or 12,
+                     warmup_steps=max(1, (steps or 12) // 3), **common)
 
 
 # ==============================================================================================
@@ -1765,7 +1766,7 @@ ASYNC_SETTINGS = [
     ("partial, eta 4, abort", 0.5, None, 4, "abort"),
 ]
 #: Fractions of the GPUs given to rollout in asynchronous mode.
-ROLLOUT_FRACTIONS = (0.5, 0.625, 0.75)
+ROLLOUT_FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75)
 
 
 def scaling(scales: Iterable[int] = (8, 64, 512), workloads: Iterable[str] = ("long-tail", "short"),
