@@ -44,6 +44,7 @@ server role each with that URL; the rollout roles' idle ratios come from their o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -563,10 +564,8 @@ class Controller:
             await self.buf.close()
         if self.redis is not None:
             self.redis.stop()
-        try:
+        with contextlib.suppress(OSError):  # best effort at exit: run_state.json's directory may be gone
             self._write_state(self.status)
-        except OSError:
-            pass
         self.progress.stop()
         self.logger.close()
         self.trainer_logger.close()

@@ -261,9 +261,13 @@ class LengthModel:
         """``n`` lengths for the group fed at ``feed_index``, admitted at policy ``version``."""
         return [self.one(rng, version) for _ in range(n)]
 
-    def one(self, rng: random.Random, version: int) -> int:  # pragma: no cover - abstract
-        """One length."""
-        raise NotImplementedError
+    def one(self, rng: random.Random, version: int) -> int:
+        """One length (tokens) for a sample generated at policy ``version``.
+
+        Raises:
+            NotImplementedError: a subclass overrides neither this nor :meth:`lengths`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must override one() or lengths()")
 
     def describe(self) -> str:
         """One line for the tables."""

@@ -19,16 +19,13 @@ live request with a 500 and the engine goes on. Weight updates are validated and
 completely (names, shapes, floating dtypes, finite values, tied aliases) before the first copy
 (:mod:`rollout_server.engine_weights`).
 
-Weights change only between steps. Each output token records the weight version that produced
-it (spans, SGLang's ``meta_info.weight_versions``).
+Weights change only between steps; each output token records the version that produced it.
 
 Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request with finish reason
 abort (partial output kept), ``retract`` drops the running rows' KV and re-queues them (they
 are re-prefilled from prompt + output on continue), ``in_place`` just stops stepping (KV kept).
-
-Simplifications: no prefix (radix) cache across requests (``cached_tokens`` is the in-request
-prefix sharing of ``n`` samples), no chunked prefill within one prompt, one process = one
-engine (no tensor parallelism).
+Simplifications (no radix cache across requests, no chunked prefill, no tensor parallelism):
+docs/rollout.md.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ __all__ = ["DEFERRED", "EngineWeights"]
 
 
 class _Deferred:
-    pass
+    """Type of :data:`DEFERRED`, the marker for a weight load postponed until the engine is idle."""
 
 
 #: What a control command returns when it sets its Future itself later (a weight update waiting

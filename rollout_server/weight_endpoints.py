@@ -11,6 +11,7 @@ and changes nothing. :class:`WeightEndpoints` is a mixin of
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import logging
 from typing import Any
@@ -45,10 +46,8 @@ class WeightEndpoints:
         if version is not None:
             msg += f" Weight version updated to {version}."
         if self.rollout_metrics is not None:
-            try:
+            with contextlib.suppress(TypeError, ValueError):  # a non-numeric version name is no gauge value
                 self.rollout_metrics.policy_version.set(int(version))
-            except (TypeError, ValueError):
-                pass
         return web.json_response({"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"]})
 
     def _update_args(self, body: dict, required: str) -> tuple[Any, bool]:

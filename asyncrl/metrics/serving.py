@@ -134,8 +134,8 @@ def start_metrics_server(registry: CollectorRegistry, port: int, host: str = "12
         return [body]
 
     class _Quiet(WSGIRequestHandler):
-        def log_message(self, *args):  # one line per scrape would flood the role's log
-            pass
+        def log_message(self, *args):
+            """Drop the access-log line: one line per scrape would flood the role's log."""
 
     try:
         httpd = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)

@@ -6,6 +6,7 @@ package) into a safetensors HF directory in the cache, once, and list what is pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -109,10 +110,8 @@ def _convert_gguf(gguf: Path, tmp: Path, name: str) -> None:
     # the saved directory loads as an ordinary model everywhere (transformers, SGLang).
     for attr in ("quantization_config", "_name_or_path"):
         if hasattr(model.config, attr):
-            try:
+            with contextlib.suppress(AttributeError):  # a class attribute, not the instance's: nothing to drop
                 delattr(model.config, attr)
-            except AttributeError:
-                pass
     model.hf_quantizer = None
     model.is_quantized = False
     model.config.dtype = "float32"
