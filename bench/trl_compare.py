@@ -12,17 +12,22 @@ aggregation (TRL ``loss_type="dapo"``, asyncrl ``aggregation: token``).
   (e.g. ``python -m venv --system-site-packages /tmp/trlenv && /tmp/trlenv/bin/pip install trl``).
   The model is saved every ``--save_every`` seconds of training (saving time excluded) and each
   snapshot is scored afterwards.
-- **asyncrl** (``asyncrl train`` on the main config as a user runs it): periodic held-out
-  evaluation every ``--asyncrl_eval_every`` steps, time excluded from the training clock.
+- **asyncrl** (``asyncrl train`` on the main config as a user runs it, asynchronous default
+  knobs): periodic held-out evaluation every ``--asyncrl_eval_every`` steps, time excluded from
+  the training clock.
+- **asyncrl_sync** (the same config with the synchronous knobs of docs/results.md:
+  ``--partial_percent 1 --max_budget 64 --max_staleness 0 --rollout.rollout_batch_size 6``, so
+  each step trains the same 6 groups x 8 samples and every phase gets both cores): the
+  asynchronous default against asyncrl's own synchronous mode, with each run's phase timings
+  (``asyncrl report``'s summary).
 
 Both are scored by ``asyncrl eval`` on the same 400 held-out problems, sampled at T = 1 (the
 embedded engine; 95% Wilson intervals). "Time to X%" is the training wall time of the first
 evaluation at or above X (so it is resolved to the evaluation spacing). Output: one JSON with
 both curves and the ratios.
 
-Status: written, not yet run end to end (no results in docs/ yet; #17 item 5).
-
-Usage: ``/tmp/trlenv/bin/python bench/trl_compare.py --minutes 14 [--only trl|asyncrl] [--json F]``.
+Usage: ``/tmp/trlenv/bin/python bench/trl_compare.py --minutes 13 [--systems asyncrl,asyncrl_sync,trl]
+[--json F]``. The JSON is rewritten after each system, so an interrupted run keeps what finished.
 """
 
 from __future__ import annotations
@@ -56,8 +61,13 @@ def _env() -> dict[str, str]:
     return dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
-def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int, num_problems: int) -> list[dict]:
-    """TRL GRPOTrainer for ``seconds`` of training; returns [{minutes, step, accuracy, ...}]."""
+def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
+            num_problems: int) -> tuple[list[dict], dict]:
+    """TRL GRPOTrainer for ``seconds`` of training.
+
+    Returns (curve, summary): [{minutes, step, accuracy, ci95_low, ci95_high}] (minute 0 is the
+    base model) and {steps, wall_seconds, seconds_per_step}.
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -98,9 +108,12 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int, num_
             self.start = time.perf_counter()
             self.paused = 0.0
             self.next_save = save_every
+            self.steps = 0
+            self.train_seconds = 0.0
 
         def on_step_end(self, args_, state, control, model=None, **kw):
             t = time.perf_counter() - self.start - self.paused
+            self.steps, self.train_seconds = state.global_step, t
             if t >= self.next_save or t >= seconds:
                 t0 = time.perf_counter()
                 path = out_dir / "trl" / f"snapshot-{state.global_step:04d}"
@@ -113,23 +126,36 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int, num_
                 control.should_training_stop = True
             return control
 
+    clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[Clock()])
+                          processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     curve = [{"minutes": 0.0, "step": 0, **_acc(eval_model(model_dir, num_problems, threads))}]
     for t, step, path in snapshots:
         curve.append({"minutes": t / 60.0, "step": step, **_acc(eval_model(path, num_problems, threads))})
         print("trl", json.dumps(curve[-1]), flush=True)
-    return curve
+    summary = {"steps": clock.steps, "wall_seconds": clock.train_seconds,
+               "seconds_per_step": clock.train_seconds / clock.steps if clock.steps else None}
+    return curve, summary
 
 
 def _acc(r: dict) -> dict:
     return {"accuracy": r["accuracy"], "ci95_low": r["accuracy_ci_low"], "ci95_high": r["accuracy_ci_high"]}
 
 
-def run_asyncrl(out_dir: Path, seconds: float, eval_every: int, num_problems: int, extra: list[str]) -> list[dict]:
-    """``asyncrl train`` on the main config for ``seconds`` of training; its periodic evaluations."""
-    name = "asyncrl-vs-trl"
+#: asyncrl's synchronous mode on the main config (docs/results.md section 2).
+SYNC_ARGS = ["--partial_percent", "1", "--max_budget", "64", "--max_staleness", "0", "--rollout.rollout_batch_size", "6"]
+
+
+def run_asyncrl(out_dir: Path, name: str, seconds: float, eval_every: int, num_problems: int,
+                extra: list[str]) -> tuple[list[dict], dict]:
+    """``asyncrl train`` on the main config for ``seconds`` of training.
+
+    Returns (curve, summary): the periodic evaluations as [{minutes, step, accuracy, ci95_low,
+    ci95_high}] and ``asyncrl report``'s summary of the run (steps, phase medians, CPU shares).
+    Raises SystemExit when the run fails (its log is named).
+    """
+    from asyncrl.report import load_run, summarize
     cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(CONFIG), "--run.name", name,
            "--run.output_dir", str(out_dir), "--run.max_wall_seconds", str(int(seconds)), "--run.total_steps", "100000",
            "--monitoring.eval_interval", str(eval_every), "--monitoring.eval_num_problems", str(num_problems),
@@ -145,7 +171,8 @@ def run_asyncrl(out_dir: Path, seconds: float, eval_every: int, num_problems: in
             curve.append({"minutes": rec["wall_seconds"] / 60.0, "step": rec["step"],
                           "accuracy": rec["eval/accuracy_sampled"], "ci95_low": rec["eval/ci95_low"],
                           "ci95_high": rec["eval/ci95_high"]})
-    return curve
+    summary = summarize(load_run(out_dir / name))
+    return curve, summary
 
 
 def time_to(curve: list[dict], level: float) -> float | None:
@@ -156,41 +183,76 @@ def time_to(curve: list[dict], level: float) -> float | None:
     return None
 
 
+def _environment() -> dict:
+    """Where and when the figures were taken."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    import torch
+    return {"commit": commit, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
+def compare(report: dict) -> None:
+    """Add the time-to-accuracy table and the ratios to ``report`` (in place).
+
+    ``time_to_accuracy_minutes[level][system]``: minutes of training wall time of the system's
+    first evaluation at or above ``level``. ``trl_over_asyncrl``: TRL's time / asyncrl's (> 1:
+    asyncrl is sooner). ``sync_best``: the synchronous run's best accuracy and the time each
+    asyncrl mode needs to reach it; ``sync_over_async`` > 1 means asynchrony is sooner.
+    """
+    systems = [k for k in ("asyncrl", "asyncrl_sync", "trl") if k in report]
+    report["time_to_accuracy_minutes"] = {
+        f"{int(level * 100)}%": {k: time_to(report[k]["curve"], level) for k in systems} for level in THRESHOLDS}
+    if "trl" in report and "asyncrl" in report:
+        report["trl_over_asyncrl"] = {
+            lvl: (v["trl"] / v["asyncrl"] if v.get("trl") and v.get("asyncrl") else None)
+            for lvl, v in report["time_to_accuracy_minutes"].items()}
+    if "asyncrl_sync" in report and "asyncrl" in report and report["asyncrl_sync"]["curve"]:
+        best = max(report["asyncrl_sync"]["curve"], key=lambda p: p["accuracy"])
+        t_async = time_to(report["asyncrl"]["curve"], best["accuracy"])
+        report["sync_best"] = {"accuracy": best["accuracy"], "sync_minutes": best["minutes"], "async_minutes": t_async,
+                               "sync_over_async": best["minutes"] / t_async if t_async else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=14.0, help="training wall time of each system")
+    ap.add_argument("--minutes", type=float, default=13.0, help="training wall time of each system")
     ap.add_argument("--save_every", type=float, default=90.0, help="TRL snapshot spacing, seconds of training")
-    ap.add_argument("--asyncrl_eval_every", type=int, default=8, help="asyncrl evaluation spacing, steps")
+    ap.add_argument("--asyncrl_eval_every", type=int, default=5, help="asyncrl evaluation spacing, steps")
     ap.add_argument("--num_problems", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", choices=["trl", "asyncrl"], default=None)
-    ap.add_argument("--asyncrl_args", default="", help="extra flags for asyncrl train (space-separated)")
+    ap.add_argument("--systems", default="asyncrl,asyncrl_sync,trl",
+                    help="comma-separated, in run order: asyncrl, asyncrl_sync, trl")
+    ap.add_argument("--asyncrl_args", default="", help="extra flags for both asyncrl runs (space-separated)")
     ap.add_argument("--out_dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - {"asyncrl", "asyncrl_sync", "trl"}
+    if unknown:
+        ap.error(f"--systems: unknown {sorted(unknown)}; choose from asyncrl, asyncrl_sync, trl")
 
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="trl_compare_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     seconds = args.minutes * 60.0
-    report: dict = {"minutes": args.minutes, "num_problems": args.num_problems, "threads": args.threads}
+    report: dict = {}
     if args.json and args.json.exists():
-        report.update(json.loads(args.json.read_text()))  # keep the other system's curve when re-running one
-    if args.only in (None, "asyncrl"):
-        report["asyncrl"] = run_asyncrl(out_dir, seconds, args.asyncrl_eval_every, args.num_problems,
-                                        args.asyncrl_args.split())
-    if args.only in (None, "trl"):
-        report["trl"] = run_trl(out_dir, seconds, args.save_every, args.threads, args.num_problems)
-    if "trl" in report and "asyncrl" in report:
-        report["time_to_accuracy_minutes"] = {
-            f"{int(level * 100)}%": {"trl": time_to(report["trl"], level), "asyncrl": time_to(report["asyncrl"], level)}
-            for level in THRESHOLDS}
-        report["trl_over_asyncrl"] = {
-            k: (v["trl"] / v["asyncrl"] if v["trl"] and v["asyncrl"] else None)
-            for k, v in report["time_to_accuracy_minutes"].items()}
+        report.update(json.loads(args.json.read_text()))  # keep the other systems' results when re-running one
+    report.update({"minutes": args.minutes, "num_problems": args.num_problems, "threads": args.threads,
+                   "environment": _environment()})
+    for system in systems:
+        t0 = time.perf_counter()
+        if system == "trl":
+            curve, summary = run_trl(out_dir, seconds, args.save_every, args.threads, args.num_problems)
+        else:
+            extra = args.asyncrl_args.split() + (SYNC_ARGS if system == "asyncrl_sync" else [])
+            curve, summary = run_asyncrl(out_dir, f"{system.replace('_', '-')}-vs-trl", seconds,
+                                         args.asyncrl_eval_every, args.num_problems, extra)
+        report[system] = {"curve": curve, "summary": summary, "real_seconds": time.perf_counter() - t0}
+        compare(report)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
