@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from asyncrl.rewards import check_verifier_status
 from trainer.advantages import group_advantages, process_rewards
 
 __all__ = [
@@ -217,6 +218,10 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
     Raises:
         BatchError: inconsistent sample lists, a duplicate sample id, or an empty batch.
         trainer.advantages.AdvantageError: malformed precomputed advantages.
+        asyncrl.rewards.VerifierStatusError: ``data.check_verifier_status`` is on and every raw
+            reward of the batch's scored samples is 0 (a broken verifier); the trainer exits
+            with status 2, which the controller does not restart, and the batch stays in the
+            buffer unacknowledged.
     """
     tcfg, dcfg = cfg.trainer, cfg.data
     loss_cfg = tcfg.loss
@@ -242,6 +247,8 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
         kept.append(TrainGroup(group.group_id, group.prompt_ids, good, group.metadata))
     if not kept:
         raise BatchError("no trainable group in the batch (every sample failed or groups too small)")
+    if dcfg.check_verifier_status:
+        check_verifier_status([float(s.reward) for g in kept for s in g.samples if s.reward is not None])
 
     rewards = []
     for g in kept:

@@ -4,7 +4,9 @@ One job: :func:`run_trainer`, what ``asyncrl trainer`` runs once its command lin
 (:mod:`trainer.cli`), on every rank. On start the newest checkpoint in ``<run_dir>/checkpoints`` is
 restored and the buffer is rewound to it (``recover``:
 docs/architecture.md#acknowledgement-and-recovery); with no checkpoint the buffer is rewound to step
-0, version 0. SIGTERM/SIGINT: the current step finishes, a checkpoint is written, exit 0.
+0, version 0. SIGTERM/SIGINT: the current step finishes, a checkpoint is written, exit 0. A batch whose
+rewards are all 0 with ``data.check_verifier_status`` on (a broken verifier) exits 2: the
+controller does not restart it, and the batch stays in the buffer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = ["run_trainer"]
 
 def run_trainer(cfg: Any, replay: str | None) -> int:
     """Train on batches from the buffer (or replayed from the JSONL file ``replay``); returns the exit code."""
+    from asyncrl.rewards import VerifierStatusError
     from trainer.loop import install_signal_handlers, train_loop
     from trainer.sources import BufferBatchSource, FileBatchSource
     from trainer.trainer import Trainer
@@ -64,8 +67,12 @@ def run_trainer(cfg: Any, replay: str | None) -> int:
                 source.buffer_metrics = BufferMetrics(reg)
                 source.buffer_metrics.set_bounds(cfg.buffer.max_staleness, cfg.rollout.rollout_batch_size)
             start_metrics_server(reg, cfg.monitoring.trainer_metrics_port, host=cfg.monitoring.metrics_host)
-        result = train_loop(trainer, source, stop=stop, metrics=metrics,
-                            on_step=lambda r: print(_line(r), flush=True) if trainer.rank == 0 else None)
+        try:
+            result = train_loop(trainer, source, stop=stop, metrics=metrics,
+                                on_step=lambda r: print(_line(r), flush=True) if trainer.rank == 0 else None)
+        except VerifierStatusError as exc:  # a broken verifier: restarting would fail the same way
+            print(f"asyncrl trainer: step {trainer.step + 1}: {exc}", file=sys.stderr, flush=True)
+            return 2
         if trainer.rank == 0:
             print(f"asyncrl trainer: {result.steps} steps, stopped because {result.reason}; step {trainer.step}", flush=True)
         return 0
