@@ -55,7 +55,8 @@ from trainer.attention import BLOCK_ATTENTION
 
 __all__ = [
     "pack_by_tokens", "deal_to_ranks", "PackedMicroBatch", "build_micro_batch", "packing_efficiency",
-    "split_minibatches", "shared_prefix_tokens", "attention_mask_for", "packed_logits", "SHARED_MASK_IMPLEMENTATIONS",
+    "split_minibatches", "shared_prefix_tokens", "attention_mask_for", "packed_logits", "packed_values",
+    "SHARED_MASK_IMPLEMENTATIONS",
 ]
 
 
@@ -326,8 +327,16 @@ def packed_logits(module: Any, packed: PackedMicroBatch) -> torch.Tensor:
     Raises:
         ValueError: a shared block with an attention implementation that takes no 4-D mask.
     """
-    kwargs: dict[str, Any] = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-                              "use_cache": False, "logits_to_keep": packed.logits_mask}
+    out = module(**_model_inputs(module, packed), logits_to_keep=packed.logits_mask)
+    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    if packed.logits_index is not None:
+        logits = logits.index_select(0, packed.logits_index)
+    return logits
+
+
+def _model_inputs(module: Any, packed: PackedMicroBatch) -> dict[str, Any]:
+    """The forward kwargs of a packed row for ``module``'s attention implementation."""
+    kwargs: dict[str, Any] = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
     inner = getattr(module, "module", module)
     impl = getattr(inner.config, "_attn_implementation", None) or "eager"
     if impl == BLOCK_ATTENTION:
@@ -335,11 +344,28 @@ def packed_logits(module: Any, packed: PackedMicroBatch) -> torch.Tensor:
         kwargs["block_masks"] = packed.block_masks
     elif packed.block_mask is not None:
         kwargs["attention_mask"] = attention_mask_for(packed.block_mask, impl, next(inner.parameters()).dtype)
-    out = module(**kwargs)
-    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    return kwargs
+
+
+def packed_values(module: Any, packed: PackedMicroBatch) -> torch.Tensor:
+    """Run a value model (one score per position) on a packed micro-batch: the value of each target's state.
+
+    Args:
+        module: a transformers token-classification model with one label (the critic,
+            trainer/critic.py), or a DeepSpeed engine wrapping one.
+        packed: from :func:`build_micro_batch` — the same layout, masks and shared prompts as
+            the policy's pass.
+
+    Returns:
+        (T,) values, row t = V(s_t), the state before ``packed.targets[t]`` (the position whose
+        logits predict that token), model dtype.
+    """
+    out = module(**_model_inputs(module, packed))
+    scores = out.logits.reshape(-1)
+    kept = scores[packed.logits_mask.reshape(-1)]
     if packed.logits_index is not None:
-        logits = logits.index_select(0, packed.logits_index)
-    return logits
+        kept = kept.index_select(0, packed.logits_index)
+    return kept
 
 
 def packing_efficiency(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> dict[str, float]:

@@ -156,17 +156,26 @@ class ValueNormalizer:
         x = x.detach().double().flatten()
         if x.numel() == 0 or not torch.isfinite(x).all():
             raise ValueError("value normaliser: an update needs at least one finite value")
-        s, sq, n = float(x.sum()), float(x.square().sum()), float(x.numel())
+        self.update_moments(float(x.sum()), float(x.square().sum()), float(x.numel()))
+
+    def update_moments(self, total: float, total_sq: float, count: float) -> None:
+        """Fold a batch in by its moments (sum, sum of squares, count), e.g. all-reduced over ranks.
+
+        Raises:
+            ValueError: count <= 0 or a non-finite moment.
+        """
+        if not count > 0 or not (math.isfinite(total) and math.isfinite(total_sq)):
+            raise ValueError("value normaliser: an update needs at least one finite value")
         if self.kind == "exp":
             b = self.beta
-            self.mean_acc = b * self.mean_acc + (1 - b) * s / n
-            self.mean_sq_acc = b * self.mean_sq_acc + (1 - b) * sq / n
+            self.mean_acc = b * self.mean_acc + (1 - b) * total / count
+            self.mean_sq_acc = b * self.mean_sq_acc + (1 - b) * total_sq / count
             self.weight = b * self.weight + (1 - b)
         else:
-            total = self.weight + n
-            self.mean_acc = (self.weight * self.mean_acc + s) / total
-            self.mean_sq_acc = (self.weight * self.mean_sq_acc + sq) / total
-            self.weight = total
+            n = self.weight + count
+            self.mean_acc = (self.weight * self.mean_acc + total) / n
+            self.mean_sq_acc = (self.weight * self.mean_sq_acc + total_sq) / n
+            self.weight = n
 
     def mean_std(self) -> tuple[float, float]:
         """The current (mean, std) of the targets."""
