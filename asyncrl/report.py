@@ -3,13 +3,15 @@
 Reads the run's ``metrics-*.jsonl`` (every role, see :mod:`asyncrl.tracking`) and its resolved
 ``config.yaml``, and writes into the run directory (or ``--out``):
 
-* ``report.png`` — seven panels over training wall time (minutes; held-out evaluation pauses
+* ``report.png`` — eight panels over training wall time (minutes; held-out evaluation pauses
   excluded): train reward, held-out accuracy (sampled at T = 1 with its 95% interval, and
   greedy), rollout tokens/s, staleness (max and mean, with the ``max_staleness`` bound),
-  partial ratio, each role's idle ratio, and each role's CPU share (``cpu_share/<role>``: its
-  CPU seconds per wall second over all the run's cores, from :mod:`asyncrl.cpu_share`);
+  partial ratio, each role's idle ratio, each role's CPU share (``cpu_share/<role>``: its
+  CPU seconds per wall second over all the run's cores, from :mod:`asyncrl.cpu_share`), and,
+  for PPO with a critic, the value loss and the critic's explained variance;
 * ``report.md`` — steps, wall time, final and best held-out accuracy, tokens/s, max staleness,
-  partial ratio, idle ratios, CPU shares, drops and restarts.
+  partial ratio, idle ratios, CPU shares, the critic's value loss (first and last step) and
+  explained variance, drops and restarts.
 
 With ``--compare RUN_B`` both runs are overlaid (the sync-vs-async comparison of
 ``docs/results.md``) and the summary adds the wall time each run needs to reach the best
@@ -103,6 +105,11 @@ def _last(records: list[dict[str, Any]], key: str) -> float | None:
     return ys[-1] if ys else None
 
 
+def _first(records: list[dict[str, Any]], key: str) -> float | None:
+    _, ys = series(records, key)
+    return ys[0] if ys else None
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -170,6 +177,9 @@ def summarize(run: Run) -> dict[str, Any]:
         # medians: a step that an evaluation paused (SIGSTOP) counts the pause in its phase
         "phase_seconds": {ph: statistics.median(series(recs, f"time/{ph}_seconds")[1]) for ph in _PHASES
                           if series(recs, f"time/{ph}_seconds")[1]},
+        "value_loss_first": _first(recs, "train/value_loss"),
+        "value_loss_final": _last(recs, "train/value_loss"),
+        "explained_variance_final": _last(recs, "train/explained_variance"),
         "drops": _last(recs, "buffer/drops"),
         "restarts": _last(recs, "buffer/restarts"),
         "role_restarts": _last(recs, "supervisor/restarts"),
@@ -221,6 +231,9 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
             ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in s["idle_ratios"].items()) or "—" for s in sums]),
         ("CPU share of the run's cores (mean) by role", [
             ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in s["cpu_shares"].items()) or "—" for s in sums]),
+        ("critic value loss, first / last step", [
+            f"{_fmt(s['value_loss_first'])} / {_fmt(s['value_loss_final'])}" for s in sums]),
+        ("critic explained variance, last step", [_fmt(s["explained_variance_final"], ".2f") for s in sums]),
         ("drops / sample restarts (buffer)", [f"{_fmt(s['drops'])} / {_fmt(s['restarts'])}" for s in sums]),
         ("role restarts (supervisor)", [_fmt(s["role_restarts"]) for s in sums]),
     ]
@@ -255,7 +268,7 @@ def _moving_average(ys: list[float], window: int) -> list[float]:
 
 
 def plot_runs(runs: list[Run], path: Path) -> None:
-    """Draw the seven panels for one or two runs into ``path`` (PNG, matplotlib Agg)."""
+    """Draw the eight panels (the critic's is "not logged" without one) for one or two runs into ``path`` (PNG, matplotlib Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,8 +276,9 @@ def plot_runs(runs: list[Run], path: Path) -> None:
 
     fig, axes = plt.subplots(2, 4, figsize=(21, 8.5), constrained_layout=True)
     colors = ["tab:blue", "tab:orange"]
-    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle, ax_cpu, ax_spare = axes.flat
-    ax_spare.axis("off")
+    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle, ax_cpu, ax_critic = axes.flat
+    ax_ev = ax_critic.twinx()
+    has_critic = False
     for run, color in zip(runs, colors):
         recs, label = run.records, run.name
         m = lambda xs: [x / 60 for x in xs]  # noqa: E731 - minutes
@@ -303,6 +317,15 @@ def plot_runs(runs: list[Run], path: Path) -> None:
         for key, ls in zip(_cpu_keys(recs), ["-", "--", ":", "-."] * 8):
             xs, ys = series(recs, key)
             ax_cpu.plot(m(xs), ys, color=color, ls=ls, label=f"{label} {key.split('/', 1)[1]}")
+        xs, ys = series(recs, "train/value_loss")
+        if xs:
+            has_critic = True
+            ax_critic.plot(m(xs), ys, color=color, alpha=0.25, lw=0.8)
+            ax_critic.plot(m(xs), _moving_average(ys, 10), color=color, label=f"{label} value loss")
+        xs, ys = series(recs, "train/explained_variance")
+        if xs:
+            has_critic = True
+            ax_ev.plot(m(xs), _moving_average(ys, 10), color=color, ls="--", label=f"{label} explained variance")
     titles = [
         (ax_reward, "train reward (mean; line: moving average of 10)", "reward"),
         (ax_acc, "held-out accuracy (95% interval shaded)", "accuracy"),
@@ -311,6 +334,7 @@ def plot_runs(runs: list[Run], path: Path) -> None:
         (ax_partial, "partial ratio (partial samples / samples in flight)", "ratio"),
         (ax_idle, "idle ratio by role", "ratio"),
         (ax_cpu, "CPU share by role (of all the run's cores)", "share"),
+        (ax_critic, "critic (PPO with GAE): value loss, explained variance (dashed)", "value loss"),
     ]
     for ax, title, ylabel in titles:
         ax.set_title(title, fontsize=10)
@@ -323,6 +347,13 @@ def plot_runs(runs: list[Run], path: Path) -> None:
             ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray")
     for ax in (ax_acc, ax_partial, ax_idle, ax_cpu):
         ax.set_ylim(-0.02, 1.02)
+    if has_critic:
+        ax_ev.set_ylabel("explained variance (moving average of 10)")
+        ax_ev.set_ylim(-1.05, 1.05)
+        if ax_ev.get_legend_handles_labels()[0]:
+            ax_ev.legend(fontsize=7, loc="lower right")
+    else:
+        ax_ev.axis("off")
     fig.suptitle("asyncrl: " + " vs ".join(r.name for r in runs))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,7 +14,7 @@ from asyncrl.report import load_run, main, series, summarize, time_to_reach
 from asyncrl.tracking import MetricsLogger
 
 
-def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1.0):
+def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1.0, critic: bool = False):
     """A 40-step run: accuracy rises 0.1 -> 0.5 over 40 steps taking 30 s / speed each."""
     cfg = load_config(["--max_staleness", str(staleness), "--partial_percent", str(partial),
                        "--max_budget", "32", "--max_response_len", "64"])
@@ -26,7 +26,9 @@ def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1
         wall = step * 30.0 / speed
         trainer.log(step, {"reward/mean": 0.1 + 0.01 * step, "staleness/max": min(staleness, step % 3),
                            "staleness/mean": 0.5, "idle_ratio/trainer": 0.3,
-                           "time/forward_backward_seconds": 10.0}, wall_seconds=wall)
+                           "time/forward_backward_seconds": 10.0,
+                           **({"train/value_loss": 1.0 / step, "train/explained_variance": 1 - 1.0 / step}
+                              if critic else {})}, wall_seconds=wall)
         for i, r in enumerate(rollouts):
             r.log(step, {"rollout/tokens_per_second": 100.0 + i, "idle_ratio/rollout-" + str(i): 0.1},
                   wall_seconds=wall + 1)
@@ -94,6 +96,19 @@ def test_cli_writes_png_and_markdown(tmp_path):
     assert "trainer 0.30" in md and "rollout-0 0.10" in md
     w, h = _png_size(run_dir / "report.png")
     assert w > 1000 and h > 600
+
+
+def test_critic_panel_and_rows(tmp_path):
+    run_dir = make_run(tmp_path / "ppo", critic=True)
+    s = summarize(load_run(run_dir))
+    assert s["value_loss_first"] == pytest.approx(1.0) and s["value_loss_final"] == pytest.approx(1 / 40)
+    assert s["explained_variance_final"] == pytest.approx(1 - 1 / 40)
+    assert main([str(run_dir)]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert "| critic value loss, first / last step | 1 / 0.025 |" in md
+    assert "| critic explained variance, last step | 0.97 |" in md
+    plain = summarize(load_run(make_run(tmp_path / "grpo")))
+    assert plain["value_loss_final"] is None and plain["explained_variance_final"] is None
 
 
 def test_compare_two_runs(tmp_path):
