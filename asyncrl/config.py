@@ -282,9 +282,61 @@ class OptimizerConfig(_Section):
     """Linear warm-up steps."""
 
 
+class GAEConfig(_Section):
+    discount: float = Field(1.0, ge=0.0, le=1.0)
+    """gamma of GAE (Schulman et al. 2016); AReaL ``discount``."""
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
+    """lambda of GAE: 1 = Monte-Carlo returns minus the value, 0 = one-step TD; AReaL ``gae_lambda``."""
+
+
+class CriticConfig(_Section):
+    model_path: str | None = None
+    """The critic's initial weights: a model name or directory whose backbone loads as a value model (token classification, one label). None: the actor's ``model.path`` with a new value head."""
+    optimizer: OptimizerConfig = OptimizerConfig(lr=5e-6)
+    """The critic's own AdamW and LR schedule (same optimizer-step count as the actor's)."""
+    value_eps_clip: float | None = Field(0.2, gt=0.0)
+    """Clip of the value update around the values the returns were computed from (AReaL ``value_eps_clip``, OpenRLHF ``value_clip``); None: unclipped."""
+    value_norm: bool = True
+    """The critic predicts normalised values: denormalised for GAE, returns normalised as targets (AReaL ``value_norm``)."""
+    value_norm_type: Literal["exp", "ma"] = "exp"
+    """Running statistics of value normalisation: debiased exponential moving average or the plain running mean (AReaL)."""
+    value_norm_beta: float = Field(0.99995, gt=0.0, lt=1.0)
+    """Decay of the ``exp`` statistics."""
+    value_norm_eps: float = Field(1e-5, gt=0.0)
+    """Clamp of the ``exp`` debiasing term."""
+
+
+class KLControlConfig(_Section):
+    coef: float = Field(0.0, ge=0.0)
+    """beta of the per-token KL penalty in the reward, ``r_t -= beta (log pi_behav - log pi_ref)`` (AReaL ``kl_ctl``; needs ``trainer.advantage: gae``). Separate from ``trainer.loss.kl_coef``, the KL loss term."""
+    adaptive: bool = False
+    """Adapt beta toward ``adaptive_target`` (Ziegler et al. 2019; AReaL ``use_adaptive_kl_ctl``)."""
+    adaptive_target: float = Field(6.0, gt=0.0)
+    """Target KL per sample (nats, summed over its tokens)."""
+    adaptive_horizon: int = Field(10_000, ge=1)
+    """Samples over which beta may move by 20%."""
+
+
+class ReferenceConfig(_Section):
+    model_path: str | None = None
+    """The reference model's weights (the KL loss term and the KL penalty in the reward). None: the actor's initial weights (``model.path``)."""
+    ema_eta: float | None = Field(None, gt=0.0, le=1.0)
+    """After each train step the reference follows the actor: ``ref <- eta * actor + (1 - eta) * ref`` (AReaL's ``ref_ema_eta``); None: frozen."""
+
+
 class TrainerConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Advantage estimator."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator: the critic-free group/batch baselines, or ``gae`` (PPO with a critic, ``trainer.critic``)."""
+    adv_norm: bool = False
+    """Normalise the advantages over the train batch's loss tokens (mean 0, std 1) after the estimator, for every estimator (AReaL ``adv_norm``, on by default there)."""
+    gae: GAEConfig = GAEConfig()
+    """Discount and lambda of GAE (``advantage: gae``)."""
+    critic: CriticConfig = CriticConfig()
+    """The value model, its optimizer and value normalisation (``advantage: gae``)."""
+    kl_ctl: KLControlConfig = KLControlConfig()
+    """The per-token KL penalty in the reward and its adaptive coefficient (``advantage: gae``)."""
+    reference: ReferenceConfig = ReferenceConfig()
+    """The reference model: its weights and whether it follows the actor."""
     loss: LossConfig = LossConfig()
     """PPO-family loss and off-policy correction."""
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -427,6 +479,17 @@ class AsyncRLConfig(_Section):
             raise ValueError(
                 f"trainer.advantage={self.trainer.advantage} needs rollout.n_samples_per_prompt >= 2 "
                 f"(got {r.n_samples_per_prompt})"
+            )
+        if self.trainer.kl_ctl.coef > 0 and self.trainer.advantage != "gae":
+            raise ValueError(
+                f"trainer.kl_ctl.coef={self.trainer.kl_ctl.coef} puts a per-token KL penalty in the reward, which "
+                f"only a per-token estimator uses: set trainer.advantage: gae, or use trainer.loss.kl_coef (the KL "
+                f"loss term) with {self.trainer.advantage}"
+            )
+        if self.trainer.reference.ema_eta is not None and loss.kl_coef == 0 and self.trainer.kl_ctl.coef == 0:
+            raise ValueError(
+                "trainer.reference.ema_eta is set but no reference model is used: set trainer.loss.kl_coef > 0 "
+                "or trainer.kl_ctl.coef > 0 (with advantage: gae), or drop ema_eta"
             )
         if loss.clip_eps_high < loss.clip_eps_low:
             raise ValueError(

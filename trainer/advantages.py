@@ -28,8 +28,9 @@ per group: all present and well formed -> used as is; some missing -> a warning 
 is estimated from its rewards; a per-token list of the wrong length or a non-finite value -> a
 :class:`AdvantageError` naming the sample.
 
-Simplified: no GAE (no critic in this engine), no per-token KL reward shaping (the KL to the
-reference model is a loss term instead, as in GRPO).
+GAE (PPO with a critic, ``trainer.advantage: gae``) is per token and needs the critic's values:
+it lives in :mod:`trainer.value` and :mod:`trainer.critic`, with the per-token KL penalty in the
+reward (:mod:`trainer.kl_control`).
 """
 
 from __future__ import annotations

@@ -199,6 +199,17 @@ class TrainBatch:
     stats: dict[str, float]
 
 
+def _normalize_advantages(prepared: list[PreparedSample], eps: float = 1e-5) -> None:
+    """``A <- (A - mean) / (std + eps)`` over the batch's loss tokens (AReaL ``adv_norm``), in place."""
+    masked = [p.advantages[p.loss_mask > 0] for p in prepared]
+    flat = torch.cat(masked).double() if masked else torch.zeros(0, dtype=torch.float64)
+    if flat.numel() == 0:
+        return
+    mean, std = float(flat.mean()), float(flat.std(unbiased=False))
+    for p in prepared:
+        p.advantages = ((p.advantages.double() - mean) / (std + eps)).float()
+
+
 def _staleness_histogram(staleness: list[int]) -> dict[str, float]:
     counts = Counter(min(s, 8) for s in staleness)
     return {f"staleness_tokens_{k if k < 8 else '8plus'}": float(counts.get(k, 0)) for k in range(9) if k in counts}
@@ -256,13 +267,17 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
         if loss_cfg.mask_no_eos_with_zero:
             raw = torch.where(torch.tensor([s.eos for s in g.samples]), raw, torch.zeros_like(raw))
         rewards.append(process_rewards(raw, bias=dcfg.reward_bias, scale=dcfg.reward_scale, clip=dcfg.reward_clip))
-    advantages = group_advantages(
-        tcfg.advantage,
-        [r.tolist() for r in rewards],
-        [[len(s.response_ids) for s in g.samples] for g in kept],
-        [[s.advantages for s in g.samples] for g in kept],
-        [[s.sample_id for s in g.samples] for g in kept],
-    )
+    if tcfg.advantage == "gae":
+        # placeholders: the critic (trainer/critic.py) sets per-token GAE advantages in begin_step
+        advantages = [[torch.zeros(len(s.response_ids)) for s in g.samples] for g in kept]
+    else:
+        advantages = group_advantages(
+            tcfg.advantage,
+            [r.tolist() for r in rewards],
+            [[len(s.response_ids) for s in g.samples] for g in kept],
+            [[s.advantages for s in g.samples] for g in kept],
+            [[s.sample_id for s in g.samples] for g in kept],
+        )
 
     prepared: list[PreparedSample] = []
     staleness: list[int] = []
@@ -279,6 +294,8 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
                 s.sample_id, g.group_id, list(g.prompt_ids), list(s.response_ids),
                 torch.tensor(s.behaviour_logprobs, dtype=torch.float32), a, mask, versions, float(r),
             ))
+    if tcfg.adv_norm and tcfg.advantage != "gae":  # gae: normalised by the critic, after GAE
+        _normalize_advantages(prepared)
     all_adv = torch.cat([p.advantages for p in prepared]) if prepared else torch.zeros(0)
     all_rew = torch.tensor([p.reward for p in prepared])
     stats = {

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["deepspeed_config", "init_distributed", "build_engine", "lr_at"]
+__all__ = ["deepspeed_config", "init_distributed", "build_engine", "lr_at", "GradNormProbe"]
 
 
 def deepspeed_config(cfg: Any) -> dict[str, Any]:
@@ -160,3 +160,50 @@ if __name__ == "__main__":  # python -m trainer.engine configs/deepspeed
     import sys
 
     _write_presets(sys.argv[1] if len(sys.argv) > 1 else "configs/deepspeed")
+
+
+class GradNormProbe:
+    """The global gradient norm (before clipping) of a DeepSpeed engine's last optimizer step.
+
+    ZeRO and bf16 optimizers report it (``engine.get_global_grad_norm()``); plain stage-0 fp32
+    does not, so the probe records the norm DeepSpeed computes when clipping (and computes it
+    when clipping is off). Call :meth:`reset` before ``engine.step()`` and :meth:`read` after.
+    """
+
+    def __init__(self, engine: Any):
+        import torch
+
+        self.engine = engine
+        self.value: float | None = None
+        opt = engine.optimizer
+        if not isinstance(opt, torch.optim.Optimizer) or hasattr(opt, "_global_grad_norm"):
+            return
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        def clip_and_record():
+            self.value = float(clip_grad_norm_(parameters=engine.module.parameters(),
+                                               max_norm=engine.gradient_clipping(), mpu=engine.mpu))
+
+        engine.clip_fp32_gradients = clip_and_record  # DeepSpeed discards the norm it computes
+
+        def pre_hook(optimizer, args, kwargs):
+            if engine.gradient_clipping() <= 0:
+                norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+                self.value = float(torch.stack(norms).norm()) if norms else 0.0
+
+        opt.register_step_pre_hook(pre_hook)
+
+    def reset(self) -> None:
+        """Forget the previous step's norm."""
+        self.value = None
+
+    def read(self) -> float:
+        """The norm of the step just taken (NaN when the engine reported none)."""
+        import torch
+
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = self.value
+        if isinstance(norm, torch.Tensor):
+            norm = float(norm)
+        return float(norm) if norm is not None else float("nan")

@@ -56,6 +56,7 @@ __all__ = ["Trainer", "MiniBatch", "StepPlan", "CheckpointError"]
 
 log = logging.getLogger("asyncrl.trainer")
 
+_CRITIC_SUM_KEYS = ("value_loss", "value_clipped_tokens", "value_tokens")
 _SUM_KEYS = ("tokens", "clipped_tokens", "dual_clipped_tokens", "imp_weight_sum", "imp_weight_capped",
              "ratio_sum", "behaviour_kl_sum", "entropy_sum", "ref_kl_sum", "pg_loss", "kl_loss",
              "entropy_loss", "loss", "processed_tokens")
@@ -99,6 +100,8 @@ class StepPlan:
     metrics: dict[str, float] = field(default_factory=dict)
     optimizer_steps: int = 0
     done: bool = False
+    critic: Any = None
+    """The critic's :class:`trainer.critic.CriticEstimate` (``advantage: gae``): old values and targets."""
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -119,6 +122,8 @@ class Trainer:
         announce: ``announce(version, uri, checksum)`` called on rank 0 after weights are durable
             (sync or async; the buffer's clock ``publish``). None: publish without announcing.
         model: an already loaded transformers causal LM (fp32) instead of ``cfg.model.path``.
+        critic_model: with ``trainer.advantage: gae``, an already loaded value model
+            (:func:`trainer.critic.load_value_model`) instead of ``trainer.critic.model_path``.
 
     Attributes:
         step: train batches completed = policy version of the current weights.
@@ -128,7 +133,8 @@ class Trainer:
         rank, world_size: this process's place in the data-parallel group.
     """
 
-    def __init__(self, cfg: Any, *, announce: Callable[[int, str, str], Any] | None = None, model: Any = None):
+    def __init__(self, cfg: Any, *, announce: Callable[[int, str, str], Any] | None = None, model: Any = None,
+                 critic_model: Any = None):
         from trainer.engine import build_engine, init_distributed
 
         self.cfg = cfg
@@ -145,10 +151,10 @@ class Trainer:
         self._extra_files = self._tokenizer_files() if self.rank == 0 else {}
         self.engine = build_engine(model, cfg)
         self.ref_model = None
-        if cfg.trainer.loss.kl_coef > 0:
+        if cfg.trainer.loss.kl_coef > 0 or cfg.trainer.kl_ctl.coef > 0:
             from asyncrl.models import load_causal_lm
 
-            self.ref_model = load_causal_lm(cfg.model.path, "float32")
+            self.ref_model = load_causal_lm(cfg.trainer.reference.model_path or cfg.model.path, "float32")
             self.ref_model.requires_grad_(False)
         self.loss_settings = LossSettings.from_config(cfg.trainer.loss)
         self.temperature = float(cfg.rollout.temperature)
@@ -169,6 +175,12 @@ class Trainer:
                             "attention runs over the packed row", " or ".join(BLOCK_ATTENTION_BASES[:2]),
                             ", ".join(map(str, impls)))
                 self.attention = "row"
+        self.critic = None
+        if cfg.trainer.advantage == "gae":
+            from trainer.critic import Critic
+
+            self.critic = Critic(cfg, attn_implementation=BLOCK_ATTENTION if self.attention == "blocks" else None,
+                                 all_reduce=self._all_reduce, model=critic_model)
         self.step = 0
         self.optimizer_steps = 0
         self.published_version = 0
@@ -195,8 +207,9 @@ class Trainer:
         self._plan: StepPlan | None = None
         self._pending_last = False
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._grad_norm: float | None = None
-        self._install_grad_norm_probe()
+        from trainer.engine import GradNormProbe
+
+        self._grad_norm = GradNormProbe(self.engine)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -243,28 +256,6 @@ class Trainer:
         if self._aio is None:
             self._aio = asyncio.new_event_loop()
         return self._aio.run_until_complete(value)
-
-    def _install_grad_norm_probe(self) -> None:
-        """ZeRO and bf16 optimizers report the global grad norm; plain stage 0 fp32 does not, so record it."""
-        opt = self.engine.optimizer
-        if not isinstance(opt, torch.optim.Optimizer) or hasattr(opt, "_global_grad_norm"):
-            return
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        engine = self.engine
-
-        def clip_and_record():
-            self._grad_norm = float(clip_grad_norm_(parameters=engine.module.parameters(),
-                                                    max_norm=engine.gradient_clipping(), mpu=engine.mpu))
-
-        engine.clip_fp32_gradients = clip_and_record  # DeepSpeed discards the norm it computes
-
-        def pre_hook(optimizer, args, kwargs):
-            if engine.gradient_clipping() <= 0:
-                norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-                self._grad_norm = float(torch.stack(norms).norm()) if norms else 0.0
-
-        opt.register_step_pre_hook(pre_hook)
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -386,6 +377,11 @@ class Trainer:
                     if self.ref_model is not None:
                         plan.ref_logprobs.update(self._logprobs_for(self.ref_model, batch.samples, indices))
             self.module.train(was_training)
+        if self.critic is not None:
+            mine_all = [indices for _, mine, _, _ in per_epoch for indices in mine]
+            plan.critic = self.critic.estimate(batch.samples, mine_all, plan.ref_logprobs, self.share_prompts,
+                                               t.adv_norm)
+            plan.metrics.update(plan.critic.metrics)
         self._plan = plan
         return plan
 
@@ -410,6 +406,7 @@ class Trainer:
         samples = plan.batch.samples
         single_step = len(plan.minibatches) == 1
         sums = dict.fromkeys(_SUM_KEYS, 0.0)
+        critic_sums = dict.fromkeys(_CRITIC_SUM_KEYS, 0.0)
         imp_max = 0.0
         self.module.train()
         check_early = self.cfg.trainer.early_stop_imp_ratio is not None and mb.index > 0
@@ -451,6 +448,10 @@ class Trainer:
                     plan.metrics["early_stopped_at_minibatch"] = float(mb.index)
                     return {"early_stopped": 1.0, "ratio_mean": ratio_sum / tokens}
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            if self.critic is not None:
+                for k, v in self.critic.forward_backward(samples, indices, plan.critic, weight, self.share_prompts,
+                                                         self.world_size).items():
+                    critic_sums[k] += v
             for k in _SUM_KEYS:
                 if k in part:
                     sums[k] += part[k]
@@ -477,6 +478,9 @@ class Trainer:
             "micro_batches": float(len(mb.micro_batches)),
             "early_stopped": 0.0,
         }
+        if self.critic is not None:
+            value_loss, clipped, tokens = self._all_reduce([critic_sums[k] for k in _CRITIC_SUM_KEYS])
+            metrics.update({"value_loss": value_loss, "value_clip_fraction": clipped / max(tokens, 1.0)})
         self._pending_last = mb.is_last
         return metrics
 
@@ -496,23 +500,44 @@ class Trainer:
             lr = lr_at(self.optimizer_steps, self.cfg.trainer.optimizer, self.total_optimizer_steps)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        self._grad_norm = None
+        self._grad_norm.reset()
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            norm = self._grad_norm
-        if isinstance(norm, torch.Tensor):
-            norm = float(norm)
+        norm = self._grad_norm.read()
+        critic_metrics = self.critic.optim_step(self.total_optimizer_steps) if self.critic is not None else {}
         self.optimizer_steps += 1
         if self._plan is not None:
             self._plan.optimizer_steps += 1
         if self._pending_last:
+            if self.cfg.trainer.reference.ema_eta is not None and self.ref_model is not None:
+                self._reference_follows_actor(self.cfg.trainer.reference.ema_eta)
             self.step += 1
             self._pending_last = False
             if self._plan is not None:
                 self._plan.done = True
-        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": float(lr),
-                "optimizer_step": float(self.optimizer_steps), "step": float(self.step)}
+        return {"grad_norm": norm, "lr": float(lr),
+                "optimizer_step": float(self.optimizer_steps), "step": float(self.step), **critic_metrics}
+
+    @torch.no_grad()
+    def _reference_follows_actor(self, eta: float) -> None:
+        """``ref <- eta * actor + (1 - eta) * ref``, parameter by parameter (AReaL's ``ref_ema_eta``).
+
+        Every rank updates its own full copy of the reference (the actor's parameters are
+        gathered under ZeRO-3). Collective under ZeRO-3.
+        """
+        actor = dict(self.module.named_parameters())
+        ref = dict(self.ref_model.named_parameters())
+
+        def blend():
+            for name, p in ref.items():
+                p.mul_(1.0 - eta).add_(actor[name].detach().to(p.dtype), alpha=eta)
+
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(actor.values()), modifier_rank=None):
+                blend()
+        else:
+            blend()
 
     # ------------------------------------------------------------------ weights
 
@@ -614,8 +639,15 @@ class Trainer:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._barrier()
         self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
-        self._barrier()
         path = self.checkpoint_dir / tag
+        if self.critic is not None:  # beside the actor, before `latest` moves: both restore to one step
+            self.critic.engine.save_checkpoint(str(path), tag="critic", save_latest=False,
+                                               client_state={"asyncrl_critic": {"step": self.step, **self.critic.state()}})
+        if self.ref_model is not None and self.cfg.trainer.reference.ema_eta is not None and self.rank == 0:
+            from safetensors.torch import save_model
+
+            save_model(self.ref_model, str(path / "reference.safetensors"))  # tied weights stored once
+        self._barrier()
         if self.rank == 0:
             dump_config(self.cfg, path / "config.yaml")
             meta = {"tag": tag, "step": self.step, "policy_version": self.published_version,
@@ -674,6 +706,7 @@ class Trainer:
         self.published_version = int(state["published_version"])
         self.published_versions = list(state["published_versions"])
         self.lineage = int(state["lineage"])
+        self._load_critic_and_reference(tag)
         rng = client.get("rng") or {}
         if "torch" in rng:
             torch.set_rng_state(rng["torch"])
@@ -686,6 +719,43 @@ class Trainer:
         self._discard_versions_after(self.published_version)
         self._barrier()
         return json.loads(state["extra_state"])
+
+    def _load_critic_and_reference(self, tag: str) -> None:
+        """Restore the critic (weights, optimizer, value normaliser, KL coefficient) and an EMA reference.
+
+        Raises:
+            CheckpointError: the checkpoint has no critic (or no reference) that the config needs,
+                or its critic was saved at another step than the actor.
+        """
+        path = self.checkpoint_dir / tag
+        if self.critic is not None:
+            if not (path / "critic").is_dir():
+                raise CheckpointError(f"checkpoint {path} has no critic but trainer.advantage is gae: resume with the "
+                                      "config the run was started with (its config.yaml is in the checkpoint)")
+            try:
+                loaded, client = self.critic.engine.load_checkpoint(str(path), tag="critic", load_optimizer_states=True,
+                                                                    load_lr_scheduler_states=False)
+            except (FileNotFoundError, RuntimeError, AssertionError, ValueError) as exc:
+                raise CheckpointError(f"cannot load the critic of checkpoint {path}: {exc}") from exc
+            state = (client or {}).get("asyncrl_critic")
+            if loaded is None or state is None or int(state["step"]) != self.step:
+                raise CheckpointError(f"checkpoint {path}: the critic was saved at step "
+                                      f"{None if state is None else state['step']}, the actor at step {self.step}")
+            try:
+                self.critic.load_state(state)
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {path}: {exc}") from exc
+        if self.ref_model is not None and self.cfg.trainer.reference.ema_eta is not None:
+            ref_file = path / "reference.safetensors"
+            if not ref_file.is_file():
+                raise CheckpointError(f"checkpoint {path} has no reference.safetensors but trainer.reference.ema_eta "
+                                      "is set (the reference followed the actor): resume with the run's config")
+            from safetensors.torch import load_model
+
+            missing, unexpected = load_model(self.ref_model, str(ref_file), strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:
+                raise CheckpointError(f"checkpoint {ref_file} does not match the reference model: missing {missing}, "
+                                      f"unexpected {unexpected}")
 
     def _discard_versions_after(self, version: int) -> None:
         """Delete published version directories newer than ``version`` (rank 0) and forget them."""
