@@ -27,7 +27,8 @@ evaluation at or above X (so it is resolved to the evaluation spacing). Output: 
 both curves and the ratios.
 
 Usage: ``/tmp/trlenv/bin/python bench/trl_compare.py --minutes 13 [--systems asyncrl,asyncrl_sync,trl]
-[--json F]``. The JSON is rewritten after each system, so an interrupted run keeps what finished.
+[--json F] [--plot F.png]``. The JSON is rewritten after each system, so an interrupted run keeps
+what finished; ``--replot --json F --plot F.png`` redraws the figure from a finished JSON.
 """
 
 from __future__ import annotations
@@ -213,6 +214,35 @@ def compare(report: dict) -> None:
                                "sync_over_async": best["minutes"] / t_async if t_async else None}
 
 
+def plot(report: dict, path: Path) -> None:
+    """Held-out accuracy (95% interval shaded) against training wall time, one line per system (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"asyncrl": "asyncrl (async default)", "asyncrl_sync": "asyncrl (synchronous knobs)",
+              "trl": "TRL GRPOTrainer (synchronous)"}
+    fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
+    for system, color in zip(("asyncrl", "asyncrl_sync", "trl"), ("tab:blue", "tab:orange", "tab:green")):
+        if system not in report:
+            continue
+        curve = report[system]["curve"]
+        xs = [pt["minutes"] for pt in curve]
+        ax.plot(xs, [pt["accuracy"] for pt in curve], "o-", color=color, label=labels[system])
+        ax.fill_between(xs, [pt["ci95_low"] for pt in curve], [pt["ci95_high"] for pt in curve], color=color, alpha=0.12)
+    for level in THRESHOLDS:
+        ax.axhline(level, color="gray", lw=0.6, ls=":")
+    ax.set_xlabel("training wall time (minutes; evaluation excluded)")
+    ax.set_ylabel("held-out accuracy, 400 problems, T = 1")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("SmolLM2-135M on arithmetic, 2 CPU cores: same model, prompts, reward and knobs")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=13.0, help="training wall time of each system")
@@ -225,7 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--asyncrl_args", default="", help="extra flags for both asyncrl runs (space-separated)")
     ap.add_argument("--out_dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="write the accuracy curves (PNG) here")
+    ap.add_argument("--replot", action="store_true", help="only redraw --plot from --json (no runs)")
     args = ap.parse_args(argv)
+    if args.replot:
+        if not (args.json and args.plot and args.json.exists()):
+            ap.error("--replot needs an existing --json and a --plot path")
+        report = json.loads(args.json.read_text())
+        compare(report)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, args.plot)
+        return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - {"asyncrl", "asyncrl_sync", "trl"}
     if unknown:
@@ -252,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(report, args.plot)
     print(json.dumps(report, indent=2))
     return 0
 
