@@ -145,7 +145,8 @@ class PackedMicroBatch:
             last position serves every sample of its block); None when K == T in order.
         block_mask: (L, L) bool, True where query row i may attend to key column j; None when no
             block is shared (transformers then derives the block-diagonal causal mask from the
-            position restarts).
+            position restarts). Built on first access from ``block_spans``/``block_masks``:
+            block attention never needs it, and at L tokens it costs L² bytes.
         shared_samples: samples in this micro-batch whose prompt was not processed again.
         block_spans: ``(start, end)`` rows of each block, tiling ``[0, L)`` (block attention,
             trainer/attention.py).
@@ -161,14 +162,31 @@ class PackedMicroBatch:
     sample_index: torch.Tensor
     token_offsets: list[tuple[int, int, int]]
     logits_index: torch.Tensor | None = None
-    block_mask: torch.Tensor | None = None
     shared_samples: int = 0
     block_spans: list[tuple[int, int]] = field(default_factory=list)
     block_masks: list[torch.Tensor | None] = field(default_factory=list)
+    _block_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
+        """L, the row's length in tokens."""
         return int(self.input_ids.shape[1])
+
+    @property
+    def block_mask(self) -> torch.Tensor | None:
+        """The (L, L) mask of the whole row (see the class docstring); None when nothing is shared."""
+        if self._block_mask is None and self.shared_samples:
+            length = self.num_tokens
+            mask = torch.zeros((length, length), dtype=torch.bool)
+            for (start, end), block in zip(self.block_spans, self.block_masks):
+                n = end - start
+                mask[start:end, start:end] = torch.ones((n, n), dtype=torch.bool).tril_() if block is None else block
+            self._block_mask = mask
+        return self._block_mask
+
+    @block_mask.setter
+    def block_mask(self, value: torch.Tensor | None) -> None:
+        self._block_mask = value
 
 
 def shared_prefix_tokens(prompts: Sequence[Sequence[int]]) -> list[int]:
@@ -248,7 +266,6 @@ def build_micro_batch(
     if rows.numel():
         keep[0, rows] = True
     logits_index = None
-    block_mask = None
     spans = [(start_row, start_row + len(branch)) for start_row, branch in blocks]
     masks: list[torch.Tensor | None] = []
     for start_row, branch in blocks:
@@ -263,10 +280,6 @@ def build_micro_batch(
         # rank of each kept row among the kept rows = index into the (K, V) logits
         rank = torch.cumsum(keep[0].long(), 0) - 1
         logits_index = rank[rows]
-        block_mask = torch.zeros((length, length), dtype=torch.bool)
-        for (start, end), mask in zip(spans, masks):
-            n = end - start
-            block_mask[start:end, start:end] = torch.ones((n, n), dtype=torch.bool).tril_() if mask is None else mask
     return PackedMicroBatch(
         torch.tensor([ids], dtype=torch.long),
         torch.tensor([pos], dtype=torch.long),
@@ -275,7 +288,6 @@ def build_micro_batch(
         torch.tensor(owner, dtype=torch.long),
         offsets,
         logits_index,
-        block_mask,
         shared_samples,
         spans,
         masks,
