@@ -73,6 +73,9 @@ def drive_role(role: str):
                 "grad_norm": 0.8,
                 "learning_rate": 1e-6,
                 "staleness_max": 1,
+                "value_loss": 0.12,
+                "explained_variance": 0.4,
+                "kl_ctl": 0.05,
             },
         )
         m.published(1, "disk", duration_seconds=0.8, nbytes=540_000_000, lineage=0)

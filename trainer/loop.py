@@ -258,7 +258,8 @@ def _checkpoint(trainer: Any, source: Any, metrics: Any = None) -> None:
 
 def _export(metrics: Any, r: dict[str, float], trainer: Any) -> None:
     stats = {k: r[k] for k in ("loss", "reward_mean", "importance_weight_mean", "importance_weight_max",
-                               "behaviour_kl", "entropy", "grad_norm", "staleness_max") if k in r}
+                               "behaviour_kl", "entropy", "grad_norm", "staleness_max", "value_loss",
+                               "explained_variance", "kl_ctl") if k in r}
     if "clip_fraction" in r:
         stats["clip_ratio"] = r["clip_fraction"]
     if "importance_weight_capped_fraction" in r:

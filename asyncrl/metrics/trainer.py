@@ -100,6 +100,18 @@ class TrainerMetrics:
         self.batch_staleness_max = Gauge(
             "asyncrl_trainer_batch_staleness_max", "Largest sample staleness (policy versions) in the last train batch.", registry=r
         )
+        self.value_loss = Gauge(
+            "asyncrl_trainer_value_loss", "Clipped value loss of the critic in the last step (PPO with GAE).", registry=r
+        )
+        self.explained_variance = Gauge(
+            "asyncrl_trainer_explained_variance",
+            "Critic explained variance 1 - Var(R - V)/Var(R) on the last train batch (1 perfect, <= 0 useless).",
+            registry=r,
+        )
+        self.kl_coef = Gauge(
+            "asyncrl_trainer_kl_reward_coef", "Coefficient beta of the KL penalty in the reward (kl_ctl; adaptive or fixed).",
+            registry=r,
+        )
         self.idle = IdleTracker(r, "trainer", "trainer: waiting for a batch")
 
     @contextmanager
@@ -125,7 +137,8 @@ class TrainerMetrics:
 
         ``stats`` keys (all optional): ``loss``, ``reward_mean``, ``accuracy``, ``clip_ratio``,
         ``importance_weight_mean``, ``importance_weight_max``, ``importance_weight_capped_ratio``,
-        ``behaviour_kl``, ``entropy``, ``grad_norm``, ``learning_rate``, ``staleness_max``.
+        ``behaviour_kl``, ``entropy``, ``grad_norm``, ``learning_rate``, ``staleness_max``, and with
+        a critic ``value_loss``, ``explained_variance``, ``kl_ctl``.
 
         Raises:
             ValueError: an unknown ``stats`` key (nothing is recorded).
@@ -143,6 +156,9 @@ class TrainerMetrics:
             "grad_norm": self.grad_norm,
             "learning_rate": self.learning_rate,
             "staleness_max": self.batch_staleness_max,
+            "value_loss": self.value_loss,
+            "explained_variance": self.explained_variance,
+            "kl_ctl": self.kl_coef,
         }
         unknown = sorted(set(stats or {}) - set(gauges))
         if unknown:
