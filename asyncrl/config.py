@@ -140,6 +140,8 @@ class DataConfig(_Section):
     """Reward function: ``math_verify`` (answer check), ``format`` or a user function ``module:function``."""
     format_reward_weight: float = Field(0.0, ge=0.0, le=1.0)
     """Weight of the format reward added to the correctness reward."""
+    reward_timeout_seconds: float = Field(60.0, gt=0, le=86_400)
+    """Limit of one call of a user reward function (``module:function``), in seconds. A call that has not returned by then fails its sample with a ``RewardTimeout`` error (counted by the buffer as ``failed_samples:reward_timeout``); the call's thread cannot be killed and is abandoned, and while 16 abandoned calls are still running new calls fail at once. The built-in ``math_verify``/``format`` have their own limits (docs/tasks.md)."""
     reward_scale: float = Field(1.0, gt=0)
     """Rewards become ``clip((r - reward_bias) * reward_scale, -reward_clip, reward_clip)`` (PPO practice)."""
     reward_bias: float = 0.0

@@ -3,8 +3,9 @@
 A reward function has the signature ``fn(prompt: str, response: str, metadata: dict) -> float``
 (``metadata`` is the task's :class:`asyncrl.tasks.Problem` metadata: ``task``, ``gold``,
 ``problem_hash``, ...). :class:`RewardScorer` runs the configured one and never raises: a
-function that raises, returns a non-number, or hangs the verifier gives a
-:class:`RewardResult` with ``error`` set, and the rollout worker marks the sample FAILED
+function that raises, returns a non-number, hangs the verifier, or (a user function) does not
+return within ``data.reward_timeout_seconds`` gives a :class:`RewardResult` with ``error`` set
+(``RewardTimeout: ...`` for the last), and the rollout worker marks the sample FAILED
 (docs/architecture.md#failed-samples).
 
 **Answer extraction** (one function, :func:`check_answer`, for training and evaluation alike):
@@ -52,6 +53,7 @@ __all__ = [
     "RewardFn",
     "RewardResult",
     "RewardError",
+    "RewardTimeout",
     "VerifierStatusError",
     "answer_region",
     "check_answer",
@@ -73,6 +75,10 @@ PARSE_TIMEOUT_SECONDS = 2
 VERIFY_TIMEOUT_SECONDS = 2
 #: Limit of a check run in the helper process (off the main thread), seconds.
 HARD_TIMEOUT_SECONDS = 10.0
+#: Default limit of one call of a user reward function, seconds (``data.reward_timeout_seconds``).
+DEFAULT_REWARD_TIMEOUT_SECONDS = 60.0
+#: Timed-out user calls still running (their threads cannot be killed) beyond which new calls fail at once.
+MAX_ABANDONED_CALLS = 16
 
 RewardFn = Callable[[str, str, dict], float]
 """``fn(prompt, response, metadata) -> float``."""
@@ -83,6 +89,14 @@ _LEADING_SIGN_RE = re.compile(r"^-\s+(\d)")
 
 class RewardError(ValueError):
     """A reward function spec that cannot be used (bad ``module:function``, not importable, not callable)."""
+
+
+class RewardTimeout(TimeoutError):
+    """A user reward function did not return within ``data.reward_timeout_seconds``.
+
+    Its sample's error starts with ``RewardTimeout:``; the buffer counts such failures as
+    ``failed_samples:reward_timeout`` (buffers/lua/score.lua).
+    """
 
 
 class VerifierStatusError(RuntimeError):
@@ -360,24 +374,89 @@ class RewardScorer:
     ``response`` is the assistant's whole turn: ``metadata["response_prefix"]`` (the assistant
     prefill of ``data.response_prefix``, when the task has one) followed by the generated text.
 
+    A user function runs in a thread of its own and gets ``timeout_seconds`` per call: a call
+    that has not returned by then fails its sample with a :class:`RewardTimeout` error and is
+    abandoned (a Python thread cannot be killed; it is a daemon thread, so it never holds up
+    the process's exit). While ``MAX_ABANDONED_CALLS`` abandoned calls are still running, new
+    calls fail at once with the same error instead of piling up threads. The built-in
+    functions are bounded by math-verify's own limits instead.
+
     Args:
         reward: ``data.reward`` (``math_verify``, ``format`` or ``module:function``).
         format_reward_weight: ``data.format_reward_weight``.
+        timeout_seconds: ``data.reward_timeout_seconds``; None: no limit.
 
     Raises:
         RewardError: at construction, when ``reward`` cannot be loaded (a run must not start
             with a reward function that can never work).
     """
 
-    def __init__(self, reward: str = "math_verify", format_reward_weight: float = 0.0):
+    def __init__(self, reward: str = "math_verify", format_reward_weight: float = 0.0,
+                 timeout_seconds: float | None = DEFAULT_REWARD_TIMEOUT_SECONDS):
         self.spec = reward
         self.fn = load_reward_fn(reward)
         self.format_reward_weight = float(format_reward_weight)
+        if timeout_seconds is not None and not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
+            raise RewardError(f"data.reward_timeout_seconds must be a positive number of seconds, got {timeout_seconds!r}")
+        self.timeout_seconds = timeout_seconds
+        self._user = all(self.fn is not f for f in _BUILTINS.values())
+        self._lock = threading.Lock()
+        self._abandoned = 0  # timed-out calls whose threads are still running
 
     @classmethod
     def from_config(cls, data: Any) -> "RewardScorer":
         """From the ``data`` config section."""
-        return cls(data.reward, data.format_reward_weight)
+        return cls(data.reward, data.format_reward_weight, data.reward_timeout_seconds)
+
+    @property
+    def abandoned_calls(self) -> int:
+        """Timed-out calls of the user function that are still running."""
+        return self._abandoned
+
+    def _call_user(self, prompt: str, response: str, metadata: dict) -> Any:
+        """``self.fn(...)`` in a daemon thread, waited for at most ``timeout_seconds``.
+
+        Raises:
+            RewardTimeout: the call did not return in time (it is abandoned), or too many
+                earlier calls are still running past their limit.
+            Exception: whatever the function raised.
+        """
+        if self.timeout_seconds is None or not self._user:
+            return self.fn(prompt, response, metadata)
+        with self._lock:
+            if self._abandoned >= MAX_ABANDONED_CALLS:
+                raise RewardTimeout(
+                    f"reward function {self.spec!r}: {self._abandoned} earlier calls are still running past "
+                    f"data.reward_timeout_seconds={self.timeout_seconds:g}; not starting another until one returns"
+                )
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = self.fn(prompt, response, metadata)
+            except BaseException as exc:  # handed to the caller (if it still waits)
+                box["error"] = exc
+            finally:
+                with self._lock:
+                    box["finished"] = True
+                    if box.get("abandoned"):
+                        self._abandoned -= 1
+                done.set()
+
+        threading.Thread(target=run, name="asyncrl-reward-fn", daemon=True).start()
+        if not done.wait(self.timeout_seconds):
+            with self._lock:
+                if not box.get("finished"):
+                    box["abandoned"] = True
+                    self._abandoned += 1
+                    raise RewardTimeout(
+                        f"reward function {self.spec!r} did not return within data.reward_timeout_seconds="
+                        f"{self.timeout_seconds:g} s (the call is abandoned)"
+                    )
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def score(self, prompt: str, response: str, metadata: dict) -> RewardResult:
         """Score one sample (see the class docstring); errors come back in ``result.error``."""
@@ -388,7 +467,7 @@ class RewardScorer:
                 check = check_answer(response, _gold(metadata))
                 value, correct, fmt = float(check.correct), float(check.correct), float(check.format_ok)
             else:
-                raw = self.fn(prompt, response, metadata)
+                raw = self._call_user(prompt, response, metadata)
                 if not isinstance(raw, (int, float)) and not hasattr(raw, "__float__"):
                     raise TypeError(f"reward function {self.spec!r} returned {raw!r}; expected a float")
                 value = float(raw)

@@ -1,6 +1,8 @@
 -- score: for each of ARGV[12] items, the reward (or reward-function failure) of a COMPLETE
 -- sample; a group becomes READY when all its samples are scored or failed (>= min(2, n)
 -- scored), else it is dropped (reward_error). Items are independent and validated before writing.
+-- A failed sample is counted in failed_samples and in failed_samples:<reason> (reward_timeout when
+-- the error starts with 'RewardTimeout:', else reward_error).
 -- Per item, 6 args: sid, claim token, 'reward'|'error', value, advantages kind ('', 'scalar', 'tokens'), advantages.
 -- Result per item: the group state string, or the error string '!<CODE> <message>'.
 local function fail(code, msg) return '!' .. code .. ' ' .. msg end
@@ -31,6 +33,9 @@ local function one(sid, token, kind, value, advk, adv)
     redis.call('HSET', sk, 'status', 'failed', 'error', value, 'claim', '', 'updated', NOW)
     nf = nf + 1
     stat('failed_samples')
+    -- by reason: a user reward function that timed out (asyncrl.rewards.RewardTimeout) or any other failure
+    if string.sub(value, 1, 14) == 'RewardTimeout:' then stat('failed_samples:reward_timeout')
+    else stat('failed_samples:reward_error') end
   end
   redis.call('HSET', gk, 'n_scored', ns, 'n_failed', nf)
   if advk ~= '' then redis.call('HSET', sk, 'adv_kind', advk, 'adv', adv) end
