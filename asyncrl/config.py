@@ -2,8 +2,9 @@
 
 One pydantic(-settings) model, :class:`AsyncRLConfig`, covers every role (rollout server,
 buffer, trainer, controller). Each knob is owned by the sub-model of the component that uses
-it, carries a docstring (shown by ``--help``) and its bounds (``Field``); rules that involve
-several fields are validators on the root model.
+it (the sections, in ``asyncrl/config_sections.py``, re-exported here), carries a docstring
+(shown by ``--help``) and its bounds (``Field``); rules that involve several fields are
+validators on the root model, here, with the loading below.
 
 Sources, highest priority first (see :func:`load_config`):
 
@@ -22,14 +23,38 @@ Unknown keys and flags are errors. The meaning of ``partial_percent``, ``max_bud
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, model_validator
+
+# The sections (and the B = ⌈p·R⌉ formula) live in asyncrl/config_sections.py; every name stays
+# importable from here (``from asyncrl.config import DataConfig``), as code and tests do.
+from asyncrl.config_sections import (  # noqa: F401  (re-exported)
+    ArithmeticConfig,
+    BufferConfig,
+    CriticConfig,
+    DataConfig,
+    GAEConfig,
+    KLControlConfig,
+    LossConfig,
+    ModelConfig,
+    MonitoringConfig,
+    OptimizerConfig,
+    ReferenceConfig,
+    ResourcesConfig,
+    RolloutConfig,
+    RunConfig,
+    SecurityConfig,
+    StalePolicy,
+    TrainerConfig,
+    WeightSyncConfig,
+    _Section,
+    train_batch_groups,
+)
 
 __all__ = [
     "AsyncRLConfig",
@@ -40,391 +65,8 @@ __all__ = [
 ]
 
 
-def train_batch_groups(partial_percent: float, rollout_batch_size: int) -> int:
-    """B = ⌈p·R⌉: prompt groups per train batch for ``--partial_percent`` p and rollout batch size R.
-
-    The one definition of the formula (docs/architecture.md#the-three-knobs); the config
-    (``rollout.train_batch_groups``) and the buffer (``BufferSettings.from_partial_percent``) both
-    call it. At least 1; the ``1e-9`` keeps p·R that is an integer up to float rounding (0.7 · 10)
-    from rounding up.
-    """
-    return max(1, math.ceil(partial_percent * rollout_batch_size - 1e-9))
-
-
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field and what to fix."""
-
-
-class _Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings are descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# run / model / data
-
-
-class RunConfig(_Section):
-    name: str = Field("asyncrl", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    """Run name; the Redis key prefix is ``asyncrl:{<name>}:`` and the run directory ``<output_dir>/<name>``."""
-    output_dir: Path = Path("runs")
-    """Parent directory of run directories (checkpoints, weights, metrics, resolved config)."""
-    seed: int = Field(0, ge=0)
-    """Seed for data order, sampling and model initialisation."""
-    total_steps: int = Field(100, ge=1)
-    """Number of trainer optimizer steps (train batches) in the run."""
-    max_wall_seconds: float | None = Field(None, gt=0)
-    """Stop the run cleanly (checkpoint, exit 0) after this many seconds of training wall time."""
-
-    @property
-    def run_dir(self) -> Path:
-        """Directory of this run's outputs."""
-        return self.output_dir / self.name
-
-
-class ModelConfig(_Section):
-    path: str = "smollm2-135m-instruct"
-    """A model prepared by ``asyncrl models prepare`` (by name), ``tiny`` (the tiny random test model, built on first use), or any local Hugging Face directory (docs/models.md)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the rollout engine's weights (fp32 on CPU) and of published weights."""
-    max_context_len: int | None = Field(None, ge=16)
-    """Override of the model's context length (``max_position_embeddings``); None reads it from the model."""
-
-
-class ArithmeticConfig(_Section):
-    digits: int | list[int] = 2
-    """Maximum number of digits of each operand (1-9): one number for every operand, or a list with one entry per operand (``[2, 1]``: a two-digit plus a one-digit number)."""
-    operators: str = Field("+-", pattern=r"^[+\-*]{1,3}$")
-    """Operators drawn uniformly: any of ``+``, ``-``, ``*``."""
-    n_terms: int = Field(2, ge=2, le=6)
-    """Number of operands in each problem."""
-
-    @model_validator(mode="after")
-    def _check_digits(self) -> "ArithmeticConfig":
-        per_term = self.digits if isinstance(self.digits, list) else [self.digits] * self.n_terms
-        if len(per_term) != self.n_terms:
-            raise ValueError(
-                f"data.arithmetic.digits has {len(per_term)} entries but n_terms is {self.n_terms}: "
-                "give one digit count per operand, or a single number for all"
-            )
-        bad = [d for d in per_term if not 1 <= d <= 9]
-        if bad:
-            raise ValueError(f"data.arithmetic.digits must be between 1 and 9, got {bad}")
-        return self
-
-    @property
-    def digits_per_term(self) -> list[int]:
-        """Maximum digits of operand ``i``, one entry per operand."""
-        return list(self.digits) if isinstance(self.digits, list) else [self.digits] * self.n_terms
-
-
-class DataConfig(_Section):
-    task: Literal["arithmetic", "gsm8k", "jsonl", "parquet"] = "arithmetic"
-    """Prompt source: the built-in procedurally generated arithmetic task, a GSM8K-format file, or a local JSONL/parquet file."""
-    path: Path | None = None
-    """File for ``gsm8k``/``jsonl``/``parquet`` tasks (``question``/``answer`` fields; ``answer`` may use GSM8K's ``####``)."""
-    arithmetic: ArithmeticConfig = ArithmeticConfig()
-    """Difficulty knobs of the arithmetic task."""
-    num_train_prompts: int = Field(100_000, ge=1)
-    """Size of the (procedural) training split; the feeder cycles through it in a seeded order."""
-    num_heldout_prompts: int = Field(500, ge=1)
-    """Size of the held-out split (disjoint from training by a hash of the problem)."""
-    heldout_percent: int = Field(10, ge=1, le=90)
-    """Share of the problem space held out for evaluation, by a hash of the problem (a small problem space needs a larger share to hold ``num_heldout_prompts`` distinct problems)."""
-    system_prompt: str | None = "Solve the problem. Put the final answer after 'Answer:'."
-    """System message rendered with the tokenizer's chat template (None: no system message)."""
-    response_prefix: str | None = None
-    """Text that opens the assistant's turn after the chat template's generation prompt (an assistant prefill), formatted with the problem's metadata (``"{expression} ="`` for arithmetic; ``gold`` is not available). It is part of the prompt tokens, so it is never trained on; reward functions and evaluation see ``prefix + generated text``. None: no prefill."""
-    reward: str = "math_verify"
-    """Reward function: ``math_verify`` (answer check), ``format`` or a user function ``module:function``."""
-    format_reward_weight: float = Field(0.0, ge=0.0, le=1.0)
-    """Weight of the format reward added to the correctness reward."""
-    reward_timeout_seconds: float = Field(60.0, gt=0, le=86_400)
-    """Limit of one call of a user reward function (``module:function``), in seconds. A call that has not returned by then fails its sample with a ``RewardTimeout`` error (counted by the buffer as ``failed_samples:reward_timeout``); the call's thread cannot be killed and is abandoned, and while 16 abandoned calls are still running new calls fail at once. The built-in ``math_verify``/``format`` have their own limits (docs/tasks.md)."""
-    reward_scale: float = Field(1.0, gt=0)
-    """Rewards become ``clip((r - reward_bias) * reward_scale, -reward_clip, reward_clip)`` (PPO practice)."""
-    reward_bias: float = 0.0
-    """Subtracted from the raw reward before scaling."""
-    reward_clip: float = Field(10.0, gt=0)
-    """Absolute clip of the processed reward."""
-    check_verifier_status: bool = True
-    """Fail loudly when every reward of a train batch is zero (a broken verifier; AReaL's ``check_verifier_status``)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# rollout
-
-
-class RolloutConfig(_Section):
-    engine: Literal["torch", "sglang"] = "torch"
-    """Inference engine: the embedded torch engine (CPU) or SGLang (GPU)."""
-    server_urls: list[str] = []
-    """Attach to running servers at these URLs instead of launching any."""
-    num_servers: int = Field(1, ge=1, le=64)
-    """How many rollout servers ``asyncrl train`` launches when ``server_urls`` is empty."""
-    host: str = "127.0.0.1"
-    """Interface the launched servers listen on (loopback unless configured otherwise)."""
-    base_port: int = Field(30000, ge=0, le=65000)
-    """Port of the first launched server; 0-based server i listens on ``base_port + i`` (0 picks free ports in tests)."""
-    n_samples_per_prompt: int = Field(8, ge=1, le=1024)
-    """Samples per prompt group (GRPO needs at least 2)."""
-    rollout_batch_size: int = Field(16, ge=1)
-    """R: prompt groups per rollout batch; the cap on groups being generated (READY groups do not count)."""
-    partial_percent: float = Field(1.0, gt=0.0, le=1.0)
-    """p: the train batch is B = ceil(p*R) READY groups; the trainer does not wait for the rest."""
-    max_budget: int = Field(1024, ge=1)
-    """M: at most M new tokens per sample per policy version before it is parked as PARTIAL."""
-    max_response_len: int = Field(1024, ge=1)
-    """Hard cap on response tokens; reaching it finishes the sample with finish_reason ``length``."""
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
-    """Sampling temperature; behaviour logprobs are log-softmax(logits / temperature)."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Must stay 1 for RL (behaviour logprobs must be the trainer's quantity)."""
-    top_k: int = Field(-1, ge=-1)
-    """Must stay -1 (all tokens) for RL."""
-    stop: list[str] = []
-    """Stop strings (the tokenizer's EOS always stops)."""
-    max_inflight_requests: int = Field(32, ge=1, le=4096)
-    """Requests a rollout worker keeps in flight per server."""
-    pause_mode: Literal["abort", "in_place"] = "abort"
-    """How the engine is paused for a weight update: abort in-flight requests (recompute KV on resume) or keep KV in place."""
-    incremental_streaming: bool = True
-    """Launch embedded servers with incremental (delta) streaming; clients detect the mode either way."""
-    engine_max_batch_size: int = Field(64, ge=1)
-    """Embedded engine: most sequences decoded together in one step."""
-    engine_threads: int | None = Field(None, ge=1)
-    """torch threads of each embedded engine (None: the controller's core assignment or torch's default)."""
-    api_key_required: bool = False
-    """Require ``security.api_key`` as a bearer token on state-changing endpoints of launched servers."""
-    sglang_args: list[str] = []
-    """Extra arguments passed verbatim to ``python -m sglang.launch_server``."""
-    sglang_mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
-    """SGLang ``--mem-fraction-static``."""
-    sglang_tp_size: int = Field(1, ge=1)
-    """SGLang ``--tp-size``."""
-
-    @property
-    def train_batch_groups(self) -> int:
-        """B = ceil(p * R), the number of prompt groups in a train batch (:func:`train_batch_groups`)."""
-        return train_batch_groups(self.partial_percent, self.rollout_batch_size)
-
-
-# ----------------------------------------------------------------------------------------------
-# buffer
-
-
-class StalePolicy(str, Enum):
-    """What happens to a sample or group whose staleness exceeds ``max_staleness``."""
-
-    restart = "restart"
-    """A stale partial is discarded and regenerated from its pristine prompt; a stale READY group is regenerated whole."""
-    drop = "drop"
-    """Discarded, counted with its reason."""
-    keep = "keep"
-    """Trained with the (capped) importance correction."""
-
-
-class BufferConfig(_Section):
-    redis_url: str | None = None
-    """``redis://`` URL of the replay buffer; None starts an embedded redis-server in the run directory."""
-    max_staleness: int = Field(0, ge=0, le=1000)
-    """eta: most policy versions between a sample's oldest token and the version it is trained at."""
-    stale_policy: StalePolicy = StalePolicy.restart
-    """What to do with samples/groups over ``max_staleness``: restart, drop or keep."""
-    flush_tokens: int = Field(16, ge=1, le=65536)
-    """Tokens a rollout worker accumulates before appending them to Redis (a crash loses at most this many)."""
-    lease_seconds: float = Field(30.0, gt=0.0)
-    """Claimed work of a worker silent for this long is reclaimed by another (XAUTOCLAIM)."""
-    batch_lease_seconds: float = Field(600.0, gt=0.0)
-    """A train batch handed out and not acknowledged for this long is handed out again."""
-
-
-# ----------------------------------------------------------------------------------------------
-# trainer
-
-
-class LossConfig(_Section):
-    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
-    """PPO clip: ratio lower bound 1 - eps_low."""
-    clip_eps_high: float = Field(0.28, gt=0.0, le=10.0)
-    """PPO clip upper bound 1 + eps_high (DAPO clip-higher; set equal to eps_low for plain PPO)."""
-    dual_clip_c: float | None = Field(3.0, gt=1.0)
-    """Dual clip constant c > 1 bounding the loss of negative-advantage tokens (None: off)."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """Token-level mean over all tokens of the batch (DAPO) or mean of per-sequence means (GRPO)."""
-    kl_coef: float = Field(0.0, ge=0.0)
-    """Coefficient of the KL penalty to a frozen reference model (0: no reference model is loaded)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman, 'Approximating KL divergence')."""
-    entropy_coef: float = Field(0.0, ge=0.0)
-    """Entropy bonus coefficient."""
-    mask_no_eos_with_zero: bool = False
-    """Give samples that did not end with EOS (truncated) reward 0 before advantage estimation (AReaL)."""
-    mask_too_long: bool = False
-    """Drop samples that reached ``max_response_len`` from the loss."""
-    correction: Literal["decoupled", "tis", "mask_stale", "none"] = "decoupled"
-    """Off-policy correction for stale tokens: decoupled PPO (AReaL), truncated IS, masking old-version tokens, or none."""
-    importance_weight_cap: float = Field(5.0, gt=1.0)
-    """Cap of the behaviour importance weight pi_prox/pi_behav (decoupled) or pi/pi_behav (tis)."""
-
-
-class OptimizerConfig(_Section):
-    lr: float = Field(1e-6, gt=0.0, lt=1.0)
-    """Peak learning rate of AdamW."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    weight_decay: float = Field(0.0, ge=0.0)
-    """AdamW weight decay."""
-    grad_clip: float = Field(1.0, ge=0.0)
-    """Gradient-norm clip (always set explicitly; DeepSpeed's default changed in v0.19.3). 0 disables."""
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """LR schedule owned by the training loop."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up steps."""
-
-
-class GAEConfig(_Section):
-    discount: float = Field(1.0, ge=0.0, le=1.0)
-    """gamma of GAE (Schulman et al. 2016); AReaL ``discount``."""
-    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
-    """lambda of GAE: 1 = Monte-Carlo returns minus the value, 0 = one-step TD; AReaL ``gae_lambda``."""
-
-
-class CriticConfig(_Section):
-    model_path: str | None = None
-    """The critic's initial weights: a model name or directory whose backbone loads as a value model (token classification, one label). None: the actor's ``model.path`` with a new value head."""
-    optimizer: OptimizerConfig = OptimizerConfig(lr=5e-6)
-    """The critic's own AdamW and LR schedule (same optimizer-step count as the actor's)."""
-    value_eps_clip: float | None = Field(0.2, gt=0.0)
-    """Clip of the value update around the values the returns were computed from (AReaL ``value_eps_clip``, OpenRLHF ``value_clip``); None: unclipped."""
-    value_norm: bool = True
-    """The critic predicts normalised values: denormalised for GAE, returns normalised as targets (AReaL ``value_norm``)."""
-    value_norm_type: Literal["exp", "ma"] = "exp"
-    """Running statistics of value normalisation: debiased exponential moving average or the plain running mean (AReaL)."""
-    value_norm_beta: float = Field(0.99995, gt=0.0, lt=1.0)
-    """Decay of the ``exp`` statistics."""
-    value_norm_eps: float = Field(1e-5, gt=0.0)
-    """Clamp of the ``exp`` debiasing term."""
-
-
-class KLControlConfig(_Section):
-    coef: float = Field(0.0, ge=0.0)
-    """beta of the per-token KL penalty in the reward, ``r_t -= beta (log pi_behav - log pi_ref)`` (AReaL ``kl_ctl``; needs ``trainer.advantage: gae``). Separate from ``trainer.loss.kl_coef``, the KL loss term."""
-    adaptive: bool = False
-    """Adapt beta toward ``adaptive_target`` (Ziegler et al. 2019; AReaL ``use_adaptive_kl_ctl``)."""
-    adaptive_target: float = Field(6.0, gt=0.0)
-    """Target KL per sample (nats, summed over its tokens)."""
-    adaptive_horizon: int = Field(10_000, ge=1)
-    """Samples over which beta may move by 20%."""
-
-
-class ReferenceConfig(_Section):
-    model_path: str | None = None
-    """The reference model's weights (the KL loss term and the KL penalty in the reward). None: the actor's initial weights (``model.path``)."""
-    ema_eta: float | None = Field(None, gt=0.0, le=1.0)
-    """After each train step the reference follows the actor: ``ref <- eta * actor + (1 - eta) * ref`` (AReaL's ``ref_ema_eta``); None: frozen."""
-
-
-class TrainerConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    """Advantage estimator: the critic-free group/batch baselines, or ``gae`` (PPO with a critic, ``trainer.critic``)."""
-    adv_norm: bool = False
-    """Normalise the advantages over the train batch's loss tokens (mean 0, std 1) after the estimator, for every estimator (AReaL ``adv_norm``, on by default there)."""
-    gae: GAEConfig = GAEConfig()
-    """Discount and lambda of GAE (``advantage: gae``)."""
-    critic: CriticConfig = CriticConfig()
-    """The value model, its optimizer and value normalisation (``advantage: gae``)."""
-    kl_ctl: KLControlConfig = KLControlConfig()
-    """The per-token KL penalty in the reward and its adaptive coefficient (``advantage: gae``)."""
-    reference: ReferenceConfig = ReferenceConfig()
-    """The reference model: its weights and whether it follows the actor."""
-    loss: LossConfig = LossConfig()
-    """PPO-family loss and off-policy correction."""
-    optimizer: OptimizerConfig = OptimizerConfig()
-    """AdamW and LR schedule."""
-    micro_batch_tokens: int = Field(4096, ge=16)
-    """Token budget of one packed micro-batch (samples are packed by token count, no padding)."""
-    share_prompts: bool = True
-    """Process a prompt group's shared prompt once per micro-batch in the trainer's forward and backward passes (Prefix Grouper, arXiv 2506.05433; exact: same logprobs and gradients). Needs the sdpa or eager attention implementation; false: every sample carries its own prompt."""
-    attention: Literal["blocks", "row"] = "blocks"
-    """How the trainer's forward and backward passes attend over a packed micro-batch: ``blocks`` attends each block (a sample, or a shared-prompt group) alone, Σ ℓ² work (varlen attention, trainer/attention.py); ``row`` attends over the whole packed row with a block-diagonal mask, L² work. Same logprobs and gradients; docs/trainer.md measures both. ``blocks`` needs a model loaded with sdpa or eager attention (else the trainer logs a warning and uses ``row``)."""
-    ppo_n_minibatches: int = Field(1, ge=1)
-    """Optimizer steps per train batch (the batch is split into this many mini-batches)."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Passes over the train batch."""
-    early_stop_imp_ratio: float | None = Field(None, gt=1.0)
-    """Skip remaining mini-batches of a batch when the mean importance ratio exceeds this bound."""
-    zero_stage: int = Field(0, ge=0, le=3)
-    """DeepSpeed ZeRO stage."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Training precision (logprobs are always computed in fp32)."""
-    activation_checkpointing: bool = False
-    """Recompute activations in the backward pass."""
-    checkpoint_interval: int = Field(10, ge=1)
-    """Save a checkpoint (and commit the buffer) every this many steps."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Checkpoints kept on disk."""
-    world_size: int = Field(1, ge=1)
-    """Trainer ranks ``asyncrl train`` launches (torchrun) on one machine."""
-    external: bool = False
-    """The trainer runs elsewhere (its own Kubernetes Job, configs/k8s): ``asyncrl train`` launches no trainer and only feeds, supervises its local roles and reports."""
-
-
-class WeightSyncConfig(_Section):
-    transport: Literal["disk", "http", "nccl"] = "disk"
-    """How rollout servers receive weights (docs/architecture.md#weight-sync)."""
-    interval: int = Field(1, ge=1)
-    """Publish weights (move the version clock) every this many optimizer steps."""
-    dir: Path | None = None
-    """Versioned weight directory (None: ``<run_dir>/weights``)."""
-    keep_last: int = Field(3, ge=1)
-    """Published versions kept on disk."""
-    http_port: int = Field(0, ge=0, le=65535)
-    """Port of the trainer's weight file server for ``http`` (0: a free port)."""
-
-
-class MonitoringConfig(_Section):
-    controller_metrics_port: int | None = Field(None, ge=0, le=65535)
-    """Prometheus port of the controller (None: off; 0: a free port)."""
-    trainer_metrics_port: int | None = Field(None, ge=0, le=65535)
-    """Prometheus port of trainer rank 0 (None: off; 0: a free port)."""
-    metrics_host: str = "127.0.0.1"
-    """Interface the controller's and trainer's metrics servers listen on (``0.0.0.0`` in a pod so Prometheus can scrape)."""
-    jsonl: bool = True
-    """Write metrics as JSONL into the run directory."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files."""
-    wandb: bool = False
-    """Also log to Weights & Biases (``WANDB_MODE=offline`` works without network)."""
-    progress: bool = True
-    """Live progress display (rich) on a terminal."""
-    eval_interval: int | None = Field(None, ge=1)
-    """Held-out evaluation every this many steps (its time is reported separately; None: off)."""
-    eval_num_problems: int = Field(400, ge=1)
-    """Held-out problems per periodic evaluation."""
-    eval_modes: list[Literal["greedy", "sampled"]] = Field(["greedy", "sampled"], min_length=1)
-    """Decoding modes of the periodic evaluation: ``greedy`` and/or ``sampled`` (temperature 1.0)."""
-
-
-class SecurityConfig(_Section):
-    api_key: str | None = None
-    """Bearer token required by rollout-server endpoints that change state (None: open; loopback only by default)."""
-    redis_password: str | None = None
-    """Password of the Redis server (the embedded server generates one when None)."""
-
-
-class ResourcesConfig(_Section):
-    rollout_cores: list[int] | None = None
-    """CPU cores for the rollout servers (None: the controller splits the machine's cores)."""
-    trainer_cores: list[int] | None = None
-    """CPU cores for the trainer."""
-    rollout_gpus: list[int] | None = None
-    """GPU ids for rollout servers (SGLang)."""
-    trainer_gpus: list[int] | None = None
-    """GPU ids for trainer ranks."""
-    core_sharing: Literal["split", "shared", "trainer_first", "rollout_first"] = "split"
-    """How asynchronous roles share the CPU cores when ``rollout_cores``/``trainer_cores`` are not set: ``split`` pins the trainer to the upper half and the rollout servers to the rest; the other modes give every role all cores (torch threads = all cores) so an idle role holds none, with the same priority (``shared``) or the other role at ``nice 19`` (``trainer_first``, ``rollout_first``). Synchronous configs always give every role all cores. docs/concepts.md compares them."""
 
 
 # ----------------------------------------------------------------------------------------------
