@@ -6,6 +6,10 @@ guidance: one client per process, shared by its tasks). Every transition is one 
 half-applied state, and a Redis killed with ``kill -9`` keeps every acknowledged write (AOF,
 see ``asyncrl/redis_server.py``). The API contract and state diagram are in docs/buffer.md.
 
+Beside this module: ``buffers/settings.py`` (:class:`BufferSettings`, the knobs enforced),
+``buffers/inspection.py`` (reading groups and samples, ``stats``), ``buffers/scripts.py`` (the
+Lua scripts), ``buffers/version_clock.py`` (the clock) and ``buffers/keys.py`` (the layout).
+
 Design choices (and simplifications):
 
 * Work is a set of sorted sets with a lease sorted set instead of a stream + consumer group:
@@ -25,7 +29,6 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Sequence
 
 from asyncrl.types import (
@@ -33,14 +36,11 @@ from asyncrl.types import (
     BatchGroup,
     GroupState,
     PromptGroup,
-    Sample,
     SampleStatus,
-    Segment,
     WorkItem,
     WorkKind,
     pack_f32,
     pack_i32,
-    unpack_f32,
     unpack_i32,
 )
 from buffers.errors import (
@@ -50,114 +50,15 @@ from buffers.errors import (
     SettingsMismatch,
     UnknownItem,
 )
+from buffers.inspection import BufferInspection
 from buffers.keys import GROUP_ID, SCHEMA_VERSION, key_prefix
-from buffers.scripts import Coalescer, Scripts, decode_error
+from buffers.scripts import Coalescer, Scripts, _s, decode_error
+
+# The settings live in buffers/settings.py; these names stay importable from here.
+from buffers.settings import FINISH_REASONS, STALE_POLICIES, BufferSettings, settings_fields  # noqa: F401
 from buffers.version_clock import VersionClock
 
 __all__ = ["BufferSettings", "ReplayBuffer", "STALE_POLICIES", "FINISH_REASONS"]
-
-STALE_POLICIES = ("restart", "drop", "keep")
-FINISH_REASONS = ("stop", "length", "abort", "budget")
-_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort"}
-
-
-@dataclass(frozen=True)
-class BufferSettings:
-    """The knobs the buffer enforces (docs/architecture.md#the-three-knobs); stored with the run on first open.
-
-    Args:
-        rollout_batch_size: R, cap on groups being generated (admitted, not yet READY).
-        train_batch_groups: B = ceil(p * R), groups per train batch.
-        n_samples_per_prompt: n, samples per group (default of :class:`PromptGroup`).
-        max_budget_tokens: M, new tokens per sample per policy version: the config's
-            ``rollout.max_budget`` (flag ``--max_budget``) under the name stored with the run in
-            Redis and shown by ``asyncrl buffer stats``, which therefore stays.
-        max_response_len: hard cap on response tokens (finishes with ``length``).
-        max_staleness: eta in policy versions.
-        stale_policy: ``restart`` | ``drop`` | ``keep``.
-        lease_seconds: a claim not renewed (append/renew) for this long is reclaimed.
-        flush_tokens: tokens per appended chunk (used by workers; recorded for tools).
-        batches_per_version: train steps per published version (``weight_sync.interval``).
-
-    Raises:
-        BadRequest: a value is out of range (message names it).
-    """
-
-    rollout_batch_size: int = 16
-    train_batch_groups: int = 16
-    n_samples_per_prompt: int = 8
-    max_budget_tokens: int = 1024
-    max_response_len: int = 1024
-    max_staleness: int = 0
-    stale_policy: str = "restart"
-    lease_seconds: float = 30.0
-    flush_tokens: int = 16
-    batches_per_version: int = 1
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("rollout_batch_size", self.rollout_batch_size >= 1),
-            ("train_batch_groups", 1 <= self.train_batch_groups <= self.rollout_batch_size),
-            ("n_samples_per_prompt", 1 <= self.n_samples_per_prompt <= 1024),
-            ("max_budget_tokens", self.max_budget_tokens >= 1),
-            ("max_response_len", self.max_response_len >= 1),
-            ("max_staleness", self.max_staleness >= 0),
-            ("stale_policy", self.stale_policy in STALE_POLICIES),
-            ("lease_seconds", self.lease_seconds > 0),
-            ("flush_tokens", self.flush_tokens >= 1),
-            ("batches_per_version", self.batches_per_version >= 1),
-        ]
-        bad = [name for name, ok in checks if not ok]
-        if bad:
-            raise BadRequest(
-                f"invalid buffer settings {bad}: need R >= 1, 1 <= B <= R, 1 <= n <= 1024, M >= 1, "
-                f"max_response_len >= 1, eta >= 0, stale_policy in {STALE_POLICIES}, lease_seconds > 0, "
-                f"flush_tokens >= 1, batches_per_version >= 1 (got {self})"
-            )
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "BufferSettings":
-        """Settings from an :class:`asyncrl.config.AsyncRLConfig`."""
-        r, b = cfg.rollout, cfg.buffer
-        policy = b.stale_policy.value if hasattr(b.stale_policy, "value") else str(b.stale_policy)
-        return cls(
-            rollout_batch_size=r.rollout_batch_size,
-            train_batch_groups=r.train_batch_groups,
-            n_samples_per_prompt=r.n_samples_per_prompt,
-            max_budget_tokens=r.max_budget,
-            max_response_len=r.max_response_len,
-            max_staleness=b.max_staleness,
-            stale_policy=policy,
-            lease_seconds=b.lease_seconds,
-            flush_tokens=b.flush_tokens,
-            batches_per_version=cfg.weight_sync.interval,
-        )
-
-    @classmethod
-    def from_partial_percent(cls, rollout_batch_size: int, partial_percent: float, **kw: Any) -> "BufferSettings":
-        """Settings with B = ceil(p * R) (:func:`asyncrl.config.train_batch_groups`)."""
-        from asyncrl.config import train_batch_groups
-
-        if not 0 < partial_percent <= 1:
-            raise BadRequest(f"partial_percent must be in (0, 1], got {partial_percent}")
-        b = train_batch_groups(partial_percent, rollout_batch_size)
-        return cls(rollout_batch_size=rollout_batch_size, train_batch_groups=b, **kw)
-
-    def lua_args(self) -> list[Any]:
-        """ARGV[3..11] of the buffer scripts (see ``lua/settings.lua``)."""
-        return [
-            self.rollout_batch_size, self.train_batch_groups, self.n_samples_per_prompt,
-            self.max_budget_tokens, self.max_response_len, self.max_staleness, self.stale_policy,
-            int(round(self.lease_seconds * 1000)), self.batches_per_version,
-        ]
-
-    def to_json(self) -> str:
-        """Canonical JSON (stored as ``<prefix>settings``)."""
-        return json.dumps(asdict(self), sort_keys=True)
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
 
 
 _APPEND_STATUS = ("running", "complete", "partial", "pending")
@@ -177,8 +78,12 @@ def _decode_score(reply: Any) -> Any:
     return GroupState(_s(reply))
 
 
-class ReplayBuffer:
-    """Client of one run's replay buffer. Create with :meth:`open`; see docs/buffer.md."""
+class ReplayBuffer(BufferInspection):
+    """Client of one run's replay buffer. Create with :meth:`open`; see docs/buffer.md.
+
+    Reading groups, samples and stats (``get_group``, ``get_sample``, ``stats``,
+    ``dropped_groups``) comes from :class:`buffers.inspection.BufferInspection`.
+    """
 
     def __init__(self, redis: Any, run: str, settings: BufferSettings, owns_client: bool) -> None:
         self.redis = redis
@@ -532,160 +437,7 @@ class ReplayBuffer:
         keys = ("replayed_groups", "restarted_groups", "dropped_groups", "lineage", "revoked_leases")
         return {k: int(v) for k, v in zip(keys, r)}
 
-    # ------------------------------------------------------------------ reading
-    async def get_group(self, group_id: str) -> tuple[PromptGroup, list[Sample]]:
-        """A group and its samples, decoded.
-
-        Raises:
-            UnknownItem: no such group; MalformedData: damaged record.
-        """
-        raw = await self.redis.hgetall(self.prefix + f"group:{group_id}")
-        if not raw:
-            raise UnknownItem(f"prompt group {group_id} does not exist in run {self.run}")
-        h = {k.decode(): v for k, v in raw.items()}
-        try:
-            n = int(h["n"])
-            group = PromptGroup(
-                group_id=_s(h["gid"]), prompt_ids=unpack_i32(h["prompt"]), metadata=json.loads(h["meta"]),
-                n_samples=n, feed_index=int(h.get("feed_index", -1)), state=GroupState(_s(h["state"])),
-                admission_seq=int(h.get("seq", 0)),
-            )
-        except (KeyError, ValueError) as exc:
-            raise MalformedData(f"prompt group {group_id} record is damaged: {exc!r}") from None
-        samples: list[Sample] = []
-        if group.state != GroupState.PENDING:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for i in range(n):
-                    pipe.hgetall(self.prefix + f"sample:{group_id}/{i}")
-                raws = await pipe.execute()
-            samples = [self._decode_sample(f"{group_id}/{i}", r) for i, r in enumerate(raws)]
-        return group, samples
-
-    async def get_sample(self, sample_id: str) -> Sample:
-        """One sample, decoded. Raises UnknownItem or MalformedData."""
-        raw = await self.redis.hgetall(self.prefix + f"sample:{sample_id}")
-        return self._decode_sample(sample_id, raw)
-
-    def _decode_sample(self, sid: str, raw: dict) -> Sample:
-        if not raw:
-            raise UnknownItem(f"sample {sid} does not exist in run {self.run}")
-        h = {k.decode(): v for k, v in raw.items()}
-        try:
-            ids, lps, vers = unpack_i32(h["ids"]), unpack_f32(h["lps"]), unpack_i32(h["vers"])
-            if not len(ids) == len(lps) == len(vers):
-                raise ValueError(f"array lengths differ: {len(ids)}, {len(lps)}, {len(vers)}")
-            segs_raw = unpack_i32(h.get("segs", b""))
-            if len(segs_raw) % 3:
-                raise ValueError("segment array is not a multiple of 3 int32")
-            segs = [
-                Segment(segs_raw[j], segs_raw[j + 1], _SEGMENT_REASON.get(segs_raw[j + 2], "abort"))
-                for j in range(0, len(segs_raw), 3)
-            ]
-            adv: Any = None
-            advk = _s(h.get("adv_kind", b""))
-            if advk == "scalar":
-                adv = float(h["adv"])
-            elif advk == "tokens":
-                adv = unpack_f32(h["adv"])
-            finish = _s(h.get("finish", b"")) or None
-            return Sample(
-                sample_id=_s(h["sid"]), group_id=_s(h["gid"]), index=int(h["idx"]), response_ids=ids,
-                behaviour_logprobs=lps, versions=vers, segments=segs, status=SampleStatus(_s(h["status"])),
-                finish_reason=finish, reward=float(h["reward"]) if "reward" in h else None,
-                error=_s(h["error"]) if "error" in h else None, advantages=adv,
-                num_resumes=int(h.get("resumes", 0)), num_restarts=int(h.get("restarts", 0)),
-                created_ms=int(h.get("created", 0)), updated_ms=int(h.get("updated", 0)),
-                completed_ms=int(h.get("completed", 0)),
-            )
-        except (KeyError, ValueError) as exc:
-            raise MalformedData(f"sample {sid} record is damaged: {exc!r}") from None
-
     # ------------------------------------------------------------------ operations
-    async def stats(self) -> dict[str, Any]:
-        """Counts by state, staleness histogram, partial ratio, oldest version in flight,
-        drop/restart counts by reason, lineage, clock (what ``asyncrl buffer stats`` prints)."""
-        p = self.prefix
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for name in ("fresh", "resumable", "parked", "unscored", "leases", "inflight", "ready", "groups"):
-                pipe.zcard(p + name)
-            pipe.llen(p + "pending")
-            pipe.llen(p + "replay")
-            pipe.hgetall(p + "stats")
-            pipe.get(p + "version")
-            pipe.get(p + "lineage")
-            pipe.get(p + "cursor")
-            pipe.get(p + "admitted")
-            pipe.zrange(p + "groups", 0, -1)
-            pipe.get(p + "batch:open")
-            pipe.get(p + "last_acked_step")
-            pipe.get(p + "committed_step")
-            res = await pipe.execute()
-        (fresh, resumable, parked, unscored, leased, inflight, ready, live, pending, replay, counters,
-         version, lineage, cursor, admitted, gids, open_batch, last_acked, committed) = res
-        version = int(version or 0)
-        counters = {_s(k): int(v) for k, v in counters.items()}
-        group_states: dict[str, int] = {}
-        sample_states: dict[str, int] = {}
-        hist: dict[int, int] = {}
-        oldest_in_flight: int | None = None
-        partial_samples = 0
-        gids = [_s(g) for g in gids]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for gid in gids:
-                pipe.hmget(p + f"group:{gid}", "state", "n")
-            ginfo = await pipe.execute()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for gid, (state, n) in zip(gids, ginfo):
-                for i in range(int(n or 0)):
-                    pipe.hmget(p + f"sample:{gid}/{i}", "status", "minv", "resumes")
-            sinfo = iter(await pipe.execute())
-        for gid, (state, n) in zip(gids, ginfo):
-            st = _s(state or b"missing")
-            group_states[st] = group_states.get(st, 0) + 1
-            gmin = -1
-            for _ in range(int(n or 0)):
-                sst, minv, resumes = next(sinfo)
-                sst = _s(sst or b"missing")
-                sample_states[sst] = sample_states.get(sst, 0) + 1
-                mv = int(minv or -1)
-                if mv >= 0:
-                    gmin = mv if gmin < 0 else min(gmin, mv)
-                if sst == "partial" or int(resumes or 0) > 0:
-                    partial_samples += 1
-            if st in ("generating", "ready") and gmin >= 0:
-                oldest_in_flight = gmin if oldest_in_flight is None else min(oldest_in_flight, gmin)
-            if st in ("ready", "batched") and gmin >= 0:
-                hist[version - gmin] = hist.get(version - gmin, 0) + 1
-        group_states["pending"] = int(pending)
-        total_samples = sum(sample_states.values())
-        return {
-            "run": self.run,
-            "version": version,
-            "lineage": int(lineage or 0),
-            "dataset_cursor": int(cursor or 0),
-            "admitted_groups": int(admitted or 0),
-            "groups_by_state": group_states,
-            "samples_by_state": sample_states,
-            "queues": {"fresh": fresh, "resumable": resumable, "parked": parked, "unscored": unscored,
-                       "leased": leased, "inflight_groups": inflight, "ready": ready, "replay": replay,
-                       "live_groups": live},
-            "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
-            "partial_ratio": (partial_samples / total_samples) if total_samples else 0.0,
-            "oldest_version_in_flight": oldest_in_flight,
-            "dropped_by_reason": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("dropped_groups:")},
-            "restarted_by_reason": {k[len("restarted_"):]: v for k, v in counters.items() if k.startswith("restarted_")},
-            "open_batch": _s(open_batch) if open_batch else None,
-            "last_acked_step": int(last_acked) if last_acked is not None else None,
-            "committed_step": int(committed) if committed is not None else None,
-            "counters": counters,
-            "settings": asdict(self.settings),
-        }
-
-    async def dropped_groups(self) -> dict[str, str]:
-        """Every dropped group id and its reason."""
-        raw = await self.redis.hgetall(self.prefix + "dropped")
-        return {_s(k): _s(v) for k, v in raw.items()}
-
     async def drain(self) -> int:
         """Delete every key of the run (including the schema key); returns how many."""
         n = 0
@@ -699,8 +451,3 @@ class ReplayBuffer:
         if batch:
             n += await self.redis.unlink(*batch)
         return n
-
-
-def settings_fields() -> list[str]:
-    """Names of the :class:`BufferSettings` fields (for tools)."""
-    return [f.name for f in fields(BufferSettings)]
