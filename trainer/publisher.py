@@ -4,7 +4,7 @@ Every transport starts the same way: rank 0 writes ``<weights_dir>/v<version:06d
 :func:`asyncrl.weights.write_weights` (atomic, checksummed, the oldest versions beyond
 ``keep_last`` pruned), and only then announces the version on the clock
 (``VersionClock.publish``: compare-and-set), with the sha256 of ``model.safetensors`` as the
-checksum (``Trainer.publish_weights`` in ``trainer/trainer.py``). Transports
+checksum (``Trainer.publish_weights``, :class:`WeightPublishing` below). Transports
 (docs/architecture.md#weight-sync; pull, except ``nccl``):
 
 - ``disk``: the uri is the version directory's absolute path; a rollout server calls
@@ -21,17 +21,24 @@ checksum (``Trainer.publish_weights`` in ``trainer/trainer.py``). Transports
   ``weight_version`` and skip the reload.
 
 The directory format and both ends of each transport are in :mod:`asyncrl.weights`, which the
-rollout servers import too; this module holds what only the trainer does.
+rollout servers import too; this module holds what only the trainer does:
+:class:`WeightPublishing` (``Trainer.full_state_dict``, ``Trainer.publish_weights``, the files
+copied from the source model into every version) and :class:`NcclWeightPusher`.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from asyncrl.weights import PublishError
 
-__all__ = ["NcclWeightPusher"]
+__all__ = ["NcclWeightPusher", "WeightPublishing"]
 
 
 class NcclWeightPusher:
@@ -72,3 +79,105 @@ class NcclWeightPusher:
         if self._sender is not None:
             await self._sender.close()
             self._sender = None
+
+
+class WeightPublishing:
+    """Publishing the policy's weights as versions: a base of :class:`trainer.trainer.Trainer`.
+
+    Uses the trainer's ``engine``, ``module``, ``cfg``, ``model_config``, ``model_source``,
+    ``weights_dir``, ``rank``, its transports (``http_server``, ``nccl_pusher``), ``announce``,
+    ``run_async``, ``_barrier`` and the counters ``step`` and ``published_version(s)``.
+    """
+
+    @staticmethod
+    def _model_source(path: str, model: Any) -> Path | None:
+        """The source model's local directory (tokenizer files, generation config); None if it has none."""
+        from asyncrl.models import resolve_model_path
+
+        for candidate in (path, getattr(model, "name_or_path", None)):
+            if not candidate:
+                continue
+            try:
+                return Path(resolve_model_path(candidate))
+            except Exception:  # a name that is not prepared: no files to copy
+                continue
+        return None
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        """Tokenizer files of the source model, copied into every published version directory."""
+        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                 "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+        if self.model_source is None:
+            return {}
+        return {n: (self.model_source / n).read_bytes() for n in names if (self.model_source / n).is_file()}
+
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """Full model weights on rank 0 (gathered under ZeRO-3), cast to ``dtype``; None on other ranks.
+
+        Tied weights are stored once (``lm_head.weight`` dropped when embeddings are tied).
+        Collective: call on every rank.
+        """
+        dtype = dtype or getattr(torch, self.cfg.model.dtype)
+        module = self.module
+
+        zero3 = self.engine.zero_optimization_stage() == 3
+
+        def collect():
+            if self.rank != 0:
+                return None
+            # Outside ZeRO-3 the parameters stay valid while the (synchronous) publish runs, so a
+            # tensor already in the right dtype is not copied; gathered ZeRO-3 tensors are.
+            return {k: v.detach().to(dtype=dtype, copy=zero3).cpu() for k, v in module.state_dict().items()}
+
+        if zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                sd = collect()
+        else:
+            sd = collect()
+        if sd is not None and getattr(self.model_config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def publish_weights(self) -> dict[str, float]:
+        """Write the current weights as version :attr:`step` (durable), then announce it (rank 0).
+
+        Collective: call on every rank. Publishing a version already published is a no-op.
+
+        Returns:
+            ``version``, ``publish_seconds``, ``publish_bytes`` (rank 0; other ranks get ``version``).
+
+        Raises:
+            asyncrl.weights.PublishError: the version directory exists or cannot be written.
+        """
+        from asyncrl.weights import write_weights
+
+        version = self.step
+        if version in self.published_versions:
+            return {"version": float(version)}
+        start = time.perf_counter()
+        sd = self.full_state_dict()
+        out = {"version": float(version)}
+        if self.rank == 0:
+            config = self.model_config.to_dict()
+            config["dtype"] = self.cfg.model.dtype
+            config["torch_dtype"] = self.cfg.model.dtype
+            config["use_cache"] = True
+            gen = None
+            if self.model_source is not None and (self.model_source / "generation_config.json").is_file():
+                gen = json.loads((self.model_source / "generation_config.json").read_text())
+            path, checksum = write_weights(self.weights_dir, version, sd, config, generation_config_json=gen,
+                                           extra_files=self._extra_files, keep_last=self.cfg.weight_sync.keep_last)
+            uri = self.http_server.uri_for(version) if self.http_server is not None else str(path.resolve())
+            if self.nccl_pusher is not None:
+                self.run_async(self.nccl_pusher.push(sd, version))
+            if self.announce is not None:
+                self.run_async(self.announce(version, uri, checksum))
+            out.update({"publish_seconds": time.perf_counter() - start,
+                        "publish_bytes": float((path / "model.safetensors").stat().st_size),
+                        "uri": uri, "checksum": checksum})
+        self._barrier()
+        self.published_version = version
+        self.published_versions.append(version)
+        return out

@@ -20,7 +20,8 @@ One train step (one train batch of prompt groups):
    before any backward; above ``early_stop_imp_ratio`` the rest of the batch is skipped.
 3. :meth:`optim_step`: clip, AdamW step at the learning rate the loop passes. The optimizer
    step that completes a batch advances :attr:`step`, the policy version of the weights.
-4. :meth:`publish_weights` every ``weight_sync.interval`` steps (durable first, then announce).
+4. :meth:`publish_weights` every ``weight_sync.interval`` steps (durable first, then announce;
+   ``trainer/publisher.py``), and checkpoints (``trainer/checkpoint.py``).
 
 Policy versions: the weights after ``step`` train batches have version ``step`` (version 0 is
 the initial model); staleness of a token = ``step`` at the start of the batch minus its version.
@@ -34,10 +35,7 @@ import asyncio
 import inspect
 import json
 import logging
-import os
 import random
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -46,11 +44,13 @@ import torch
 
 from trainer.attention import BLOCK_ATTENTION, BLOCK_ATTENTION_BASES
 from trainer.batch import PreparedSample, TrainBatch, TrainGroup, TrainSample, prepare_batch
+from trainer.checkpoint import CheckpointError, TrainerCheckpoints
 from trainer.losses import LossInputs, LossSettings, aggregation_weights, policy_loss, token_logprobs_and_entropy
 from trainer.packing import (
     SHARED_MASK_IMPLEMENTATIONS, build_micro_batch, deal_to_ranks, pack_by_tokens, packed_logits, shared_prefix_tokens,
     split_minibatches,
 )
+from trainer.publisher import WeightPublishing
 
 __all__ = ["Trainer", "MiniBatch", "StepPlan", "CheckpointError"]
 
@@ -60,10 +60,6 @@ _CRITIC_SUM_KEYS = ("value_loss", "value_clipped_tokens", "value_tokens")
 _SUM_KEYS = ("tokens", "clipped_tokens", "dual_clipped_tokens", "imp_weight_sum", "imp_weight_capped",
              "ratio_sum", "behaviour_kl_sum", "entropy_sum", "ref_kl_sum", "pg_loss", "kl_loss",
              "entropy_loss", "loss", "processed_tokens")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded (missing, incomplete, other world size)."""
 
 
 @dataclass
@@ -114,7 +110,7 @@ def _disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, key, 0.0)
 
 
-class Trainer:
+class Trainer(WeightPublishing, TrainerCheckpoints):
     """A DeepSpeed policy trainer for one rank (construct it on every rank).
 
     Args:
@@ -131,6 +127,10 @@ class Trainer:
         published_version: newest published version (0 = the initial model).
         lineage: the buffer's lineage counter recorded at the last checkpoint/recovery.
         rank, world_size: this process's place in the data-parallel group.
+
+    Weight publishing (:meth:`full_state_dict`, :meth:`publish_weights`) comes from
+    :class:`trainer.publisher.WeightPublishing`, checkpoints (:meth:`save_checkpoint`,
+    :meth:`load_checkpoint`) from :class:`trainer.checkpoint.TrainerCheckpoints`.
     """
 
     def __init__(self, cfg: Any, *, announce: Callable[[int, str, str], Any] | None = None, model: Any = None,
@@ -212,27 +212,6 @@ class Trainer:
         self._grad_norm = GradNormProbe(self.engine)
 
     # ------------------------------------------------------------------ plumbing
-
-    @staticmethod
-    def _model_source(path: str, model: Any) -> Path | None:
-        from asyncrl.models import resolve_model_path
-
-        for candidate in (path, getattr(model, "name_or_path", None)):
-            if not candidate:
-                continue
-            try:
-                return Path(resolve_model_path(candidate))
-            except Exception:  # a name that is not prepared: no files to copy
-                continue
-        return None
-
-    def _tokenizer_files(self) -> dict[str, bytes]:
-        """Tokenizer files of the source model, copied into every published version directory."""
-        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                 "tokenizer.model", "chat_template.jinja", "added_tokens.json")
-        if self.model_source is None:
-            return {}
-        return {n: (self.model_source / n).read_bytes() for n in names if (self.model_source / n).is_file()}
 
     @property
     def module(self) -> torch.nn.Module:
@@ -538,234 +517,6 @@ class Trainer:
                 blend()
         else:
             blend()
-
-    # ------------------------------------------------------------------ weights
-
-    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-        """Full model weights on rank 0 (gathered under ZeRO-3), cast to ``dtype``; None on other ranks.
-
-        Tied weights are stored once (``lm_head.weight`` dropped when embeddings are tied).
-        Collective: call on every rank.
-        """
-        dtype = dtype or getattr(torch, self.cfg.model.dtype)
-        module = self.module
-
-        zero3 = self.engine.zero_optimization_stage() == 3
-
-        def collect():
-            if self.rank != 0:
-                return None
-            # Outside ZeRO-3 the parameters stay valid while the (synchronous) publish runs, so a
-            # tensor already in the right dtype is not copied; gathered ZeRO-3 tensors are.
-            return {k: v.detach().to(dtype=dtype, copy=zero3).cpu() for k, v in module.state_dict().items()}
-
-        if zero3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                sd = collect()
-        else:
-            sd = collect()
-        if sd is not None and getattr(self.model_config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)
-        return sd
-
-    def publish_weights(self) -> dict[str, float]:
-        """Write the current weights as version :attr:`step` (durable), then announce it (rank 0).
-
-        Collective: call on every rank. Publishing a version already published is a no-op.
-
-        Returns:
-            ``version``, ``publish_seconds``, ``publish_bytes`` (rank 0; other ranks get ``version``).
-
-        Raises:
-            asyncrl.weights.PublishError: the version directory exists or cannot be written.
-        """
-        from asyncrl.weights import write_weights
-
-        version = self.step
-        if version in self.published_versions:
-            return {"version": float(version)}
-        start = time.perf_counter()
-        sd = self.full_state_dict()
-        out = {"version": float(version)}
-        if self.rank == 0:
-            config = self.model_config.to_dict()
-            config["dtype"] = self.cfg.model.dtype
-            config["torch_dtype"] = self.cfg.model.dtype
-            config["use_cache"] = True
-            gen = None
-            if self.model_source is not None and (self.model_source / "generation_config.json").is_file():
-                gen = json.loads((self.model_source / "generation_config.json").read_text())
-            path, checksum = write_weights(self.weights_dir, version, sd, config, generation_config_json=gen,
-                                           extra_files=self._extra_files, keep_last=self.cfg.weight_sync.keep_last)
-            uri = self.http_server.uri_for(version) if self.http_server is not None else str(path.resolve())
-            if self.nccl_pusher is not None:
-                self.run_async(self.nccl_pusher.push(sd, version))
-            if self.announce is not None:
-                self.run_async(self.announce(version, uri, checksum))
-            out.update({"publish_seconds": time.perf_counter() - start,
-                        "publish_bytes": float((path / "model.safetensors").stat().st_size),
-                        "uri": uri, "checksum": checksum})
-        self._barrier()
-        self.published_version = version
-        self.published_versions.append(version)
-        return out
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_checkpoint(self, extra_state: dict[str, Any] | None = None) -> Path:
-        """Save model, optimizer, step, versions, lineage, RNG and ``extra_state`` (dataset cursor).
-
-        Written by DeepSpeed into ``<run_dir>/checkpoints/step<step:08d>/``, plus the resolved
-        config (``config.yaml``); ``latest`` is replaced atomically only after every rank
-        finished, and checkpoints beyond ``keep_checkpoints`` are removed. Collective.
-
-        Returns:
-            the checkpoint directory.
-        """
-        from asyncrl.config import dump_config
-
-        tag = f"step{self.step:08d}"
-        client_state = {
-            "asyncrl": {
-                "step": self.step, "optimizer_steps": self.optimizer_steps,
-                "published_version": self.published_version, "published_versions": self.published_versions[-64:],
-                "lineage": self.lineage, "world_size": self.world_size,
-                "extra_state": json.dumps(extra_state or {}),
-            },
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        self._barrier()
-        self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
-        path = self.checkpoint_dir / tag
-        if self.critic is not None:  # beside the actor, before `latest` moves: both restore to one step
-            self.critic.engine.save_checkpoint(str(path), tag="critic", save_latest=False,
-                                               client_state={"asyncrl_critic": {"step": self.step, **self.critic.state()}})
-        if self.ref_model is not None and self.cfg.trainer.reference.ema_eta is not None and self.rank == 0:
-            from safetensors.torch import save_model
-
-            save_model(self.ref_model, str(path / "reference.safetensors"))  # tied weights stored once
-        self._barrier()
-        if self.rank == 0:
-            dump_config(self.cfg, path / "config.yaml")
-            meta = {"tag": tag, "step": self.step, "policy_version": self.published_version,
-                    "lineage": self.lineage, "extra_state": extra_state or {}}
-            (path / "asyncrl.json").write_text(json.dumps(meta, indent=2))
-            tmp = self.checkpoint_dir / "latest.tmp"
-            with open(tmp, "w") as f:
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.checkpoint_dir / "latest")
-            tags = sorted(p.name for p in self.checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
-            for old in tags[:-self.cfg.trainer.keep_checkpoints]:
-                if old != tag:
-                    shutil.rmtree(self.checkpoint_dir / old, ignore_errors=True)
-        self._barrier()
-        return path
-
-    def load_checkpoint(self, tag: str | None = None) -> dict[str, Any] | None:
-        """Restore the newest checkpoint (or ``tag``); returns its ``extra_state``, or None if none exists.
-
-        Without a checkpoint the trainer stays at step 0 (the initial model) and version
-        directories newer than 0 in the weights directory are deleted (a previous trainer of
-        this run died before its first checkpoint; the caller rewinds the buffer to step 0).
-
-        Collective. The LR schedule needs no state of its own: it is a function of the restored
-        :attr:`optimizer_steps`.
-
-        Raises:
-            CheckpointError: ``tag`` missing, files incomplete, or saved with another world size
-                under ZeRO (DeepSpeed shards the optimizer per rank).
-        """
-        latest = self.checkpoint_dir / "latest"
-        if tag is None:
-            if not latest.is_file():
-                # Starting from the initial model (version 0): versions a trainer killed before
-                # its first checkpoint published belong to an abandoned lineage.
-                self._discard_versions_after(0)
-                return None
-            tag = latest.read_text().strip()
-        if not (self.checkpoint_dir / tag).is_dir():
-            raise CheckpointError(f"no checkpoint {tag} in {self.checkpoint_dir}")
-        try:
-            path, client = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=tag, load_optimizer_states=True,
-                                                       load_lr_scheduler_states=False)
-        except (FileNotFoundError, RuntimeError, AssertionError, ValueError) as exc:
-            raise CheckpointError(f"cannot load checkpoint {self.checkpoint_dir / tag}: {exc}") from exc
-        if path is None or not client or "asyncrl" not in client:
-            raise CheckpointError(f"checkpoint {self.checkpoint_dir / tag} is incomplete (no asyncrl client state)")
-        state = client["asyncrl"]
-        if state["world_size"] != self.world_size and self.engine.zero_optimization_stage() > 0:
-            raise CheckpointError(
-                f"checkpoint {tag} was saved by {state['world_size']} ranks under ZeRO; resume with the same world size")
-        self.step = int(state["step"])
-        self.optimizer_steps = int(state["optimizer_steps"])
-        self.published_version = int(state["published_version"])
-        self.published_versions = list(state["published_versions"])
-        self.lineage = int(state["lineage"])
-        self._load_critic_and_reference(tag)
-        rng = client.get("rng") or {}
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
-        if "python" in rng:
-            random.setstate(rng["python"])
-        self._plan = None
-        self._pending_last = False
-        # Versions published after this checkpoint belong to the abandoned lineage; they are
-        # published again (with different weights) as training continues.
-        self._discard_versions_after(self.published_version)
-        self._barrier()
-        return json.loads(state["extra_state"])
-
-    def _load_critic_and_reference(self, tag: str) -> None:
-        """Restore the critic (weights, optimizer, value normaliser, KL coefficient) and an EMA reference.
-
-        Raises:
-            CheckpointError: the checkpoint has no critic (or no reference) that the config needs,
-                or its critic was saved at another step than the actor.
-        """
-        path = self.checkpoint_dir / tag
-        if self.critic is not None:
-            if not (path / "critic").is_dir():
-                raise CheckpointError(f"checkpoint {path} has no critic but trainer.advantage is gae: resume with the "
-                                      "config the run was started with (its config.yaml is in the checkpoint)")
-            try:
-                loaded, client = self.critic.engine.load_checkpoint(str(path), tag="critic", load_optimizer_states=True,
-                                                                    load_lr_scheduler_states=False)
-            except (FileNotFoundError, RuntimeError, AssertionError, ValueError) as exc:
-                raise CheckpointError(f"cannot load the critic of checkpoint {path}: {exc}") from exc
-            state = (client or {}).get("asyncrl_critic")
-            if loaded is None or state is None or int(state["step"]) != self.step:
-                raise CheckpointError(f"checkpoint {path}: the critic was saved at step "
-                                      f"{None if state is None else state['step']}, the actor at step {self.step}")
-            try:
-                self.critic.load_state(state)
-            except ValueError as exc:
-                raise CheckpointError(f"checkpoint {path}: {exc}") from exc
-        if self.ref_model is not None and self.cfg.trainer.reference.ema_eta is not None:
-            ref_file = path / "reference.safetensors"
-            if not ref_file.is_file():
-                raise CheckpointError(f"checkpoint {path} has no reference.safetensors but trainer.reference.ema_eta "
-                                      "is set (the reference followed the actor): resume with the run's config")
-            from safetensors.torch import load_model
-
-            missing, unexpected = load_model(self.ref_model, str(ref_file), strict=False)
-            if unexpected or set(missing) - {"lm_head.weight"}:
-                raise CheckpointError(f"checkpoint {ref_file} does not match the reference model: missing {missing}, "
-                                      f"unexpected {unexpected}")
-
-    def _discard_versions_after(self, version: int) -> None:
-        """Delete published version directories newer than ``version`` (rank 0) and forget them."""
-        if self.rank == 0:
-            from asyncrl.weights import list_versions, version_dir_name
-
-            for v in list_versions(self.weights_dir):
-                if v > version:
-                    shutil.rmtree(self.weights_dir / version_dir_name(v), ignore_errors=True)
-        self.published_versions = [v for v in self.published_versions if v <= version]
 
     def close(self) -> None:
         """Stop the weight file server and the private event loop."""
