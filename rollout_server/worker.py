@@ -8,7 +8,10 @@ rollout servers share a buffer by running one worker each (``asyncrl rollout-ser
 --server_index i`` per server, or one process with one worker per URL of
 ``rollout.server_urls``): the buffer's leases decide who generates what, so workers never talk
 to each other. Pausing for a weight update is per engine, which is why a worker owns exactly
-one engine.
+one engine. Beside this module: ``rollout_server/worker_weights.py`` (the version clock and
+weight loading, :class:`~rollout_server.worker_weights.WorkerWeightSync`, a base of
+:class:`RolloutWorker`) and ``rollout_server/worker_options.py`` (:class:`WorkerOptions`,
+:class:`WorkerStats`, :class:`WorkerError`, all importable from here).
 
 What a worker does, concurrently (asyncio tasks):
 
@@ -65,113 +68,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from asyncrl.aio import cancel_and_wait, wait_event
-from asyncrl.types import SampleStatus, WeightAnnouncement, WorkItem, WorkKind
+from asyncrl.aio import cancel_and_wait
+from asyncrl.types import SampleStatus, WorkItem, WorkKind
 from buffers.errors import LeaseLost, UnknownItem, VersionAhead
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollout_server.client import EngineClient, EngineError, EngineUnavailable
+from rollout_server.worker_options import WorkerError, WorkerOptions, WorkerStats
+from rollout_server.worker_weights import WorkerWeightSync
 
 __all__ = ["WorkerOptions", "RolloutWorker", "WorkerError", "WorkerStats"]
 
 log = logging.getLogger(__name__)
-
-
-class WorkerError(RuntimeError):
-    """The worker cannot go on (the engine rejects our requests, or never becomes healthy)."""
-
-
-@dataclass
-class WorkerOptions:
-    """Knobs of one rollout worker (most come from the config: :meth:`from_config`).
-
-    Args:
-        worker_id: unique per worker (leases are held under it); also the engine ``rid`` prefix.
-        temperature: sampling temperature (``rollout.temperature``).
-        max_inflight_requests: work items in flight on the engine (``rollout.max_inflight_requests``).
-        pause_mode: ``abort`` or ``in_place`` (``rollout.pause_mode``).
-        transport: ``disk``, ``http`` or ``nccl`` (``weight_sync.transport``).
-        stop: stop strings (``rollout.stop``).
-        base_model_path: weights of policy version 0 (``model.path``), loaded when a recovery
-            rewinds to version 0 without announcing a uri.
-        weights_cache_dir: where ``http`` downloads land (default: a temp directory).
-        keep_downloads: downloaded versions kept in ``weights_cache_dir``.
-        version_poll_seconds: how often ``clock.latest()`` is polled besides pub/sub.
-        claim_poll_seconds: wait between claims when the buffer has no work.
-        engine_wait_seconds: how long to wait for a lost engine before :class:`WorkerError`.
-        drain_timeout_seconds: how long :meth:`RolloutWorker.drain` waits for in-flight items.
-        extra_sampling_params: merged into every request's ``sampling_params`` (e.g.
-            ``{"ignore_eos": true}`` in benchmarks); may not set the keys the worker owns.
-    """
-
-    worker_id: str
-    temperature: float = 1.0
-    max_inflight_requests: int = 32
-    pause_mode: str = "abort"
-    transport: str = "disk"
-    stop: Sequence[str] = ()
-    base_model_path: str | None = None
-    weights_cache_dir: Path | None = None
-    keep_downloads: int = 2
-    version_poll_seconds: float = 0.5
-    claim_poll_seconds: float = 0.05
-    engine_wait_seconds: float = 120.0
-    drain_timeout_seconds: float = 60.0
-    extra_sampling_params: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        owned = {"temperature", "top_p", "top_k", "max_new_tokens"} & set(self.extra_sampling_params)
-        if owned:
-            raise ValueError(f"extra_sampling_params may not set {sorted(owned)}: the worker sets them "
-                             "(temperature from rollout.temperature, top_p=1, top_k=-1, max_new_tokens from the buffer)")
-        if self.pause_mode not in ("abort", "in_place"):
-            raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {self.pause_mode!r}")
-        if self.transport not in ("disk", "http", "nccl"):
-            raise ValueError(f"transport must be disk, http or nccl, got {self.transport!r}")
-        if self.max_inflight_requests < 1:
-            raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
-        if not self.worker_id or any(c.isspace() for c in self.worker_id):
-            raise ValueError(f"worker_id must be a non-empty string without spaces, got {self.worker_id!r}")
-
-    @classmethod
-    def from_config(cls, cfg: Any, worker_id: str, **overrides: Any) -> "WorkerOptions":
-        """Options from an :class:`asyncrl.config.AsyncRLConfig` (``overrides`` win)."""
-        r = cfg.rollout
-        kw: dict[str, Any] = dict(
-            worker_id=worker_id, temperature=r.temperature, max_inflight_requests=r.max_inflight_requests,
-            pause_mode=r.pause_mode, transport=cfg.weight_sync.transport, stop=list(r.stop),
-            base_model_path=cfg.model.path,
-        )
-        kw.update(overrides)
-        return cls(**kw)
-
-
-@dataclass
-class WorkerStats:
-    """Counters of one worker (also exported as Prometheus metrics when a RolloutMetrics is given)."""
-
-    segments: int = 0
-    generated_tokens: int = 0
-    completed: int = 0
-    scored: int = 0
-    reward_errors: int = 0
-    parked_budget: int = 0
-    parked_abort: int = 0
-    lease_lost: int = 0
-    version_ahead: int = 0
-    engine_errors: int = 0
-    weight_updates: int = 0
-    weight_update_errors: int = 0
-    #: segments that found the clock ahead of the engine at claim time and loaded the weights first
-    caught_up: int = 0
-    drained: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -187,7 +100,7 @@ def _now() -> float:
     return time.monotonic()
 
 
-class RolloutWorker:
+class RolloutWorker(WorkerWeightSync):
     """Streams rollouts of one engine into one replay buffer (see the module docstring).
 
     Args:
@@ -296,31 +209,6 @@ class RolloutWorker:
                     a.lost = True
                     a.task.cancel()
         return generating
-
-    async def sync_weights(self, initial: bool = False) -> bool:
-        """Bring the engine to the announced policy version; True if weights were (re)loaded.
-
-        ``initial``: also align an engine that reports another version string (e.g. SGLang's
-        ``"default"`` or a restarted engine) with the clock; with no announcement yet the engine
-        holds version 0 (``model.path``) and is told so via ``/update_weight_version``.
-        """
-        ann = await self.buffer.clock.latest()
-        if ann is None:
-            if initial or self.version is None:
-                with contextlib.suppress(EngineError):
-                    if await self.client.weight_version() != "0":
-                        await self.client.update_weight_version("0", abort_all_requests=False)
-                self.version = 0
-                self.lineage = await self.buffer.clock.lineage()
-            return False
-        if not initial and not self._is_new(ann):
-            return False
-        if initial and self.lineage is None:
-            with contextlib.suppress(EngineError, EngineUnavailable):
-                if await self.client.weight_version() == str(ann.version):
-                    self.version, self.lineage = ann.version, ann.lineage
-                    return False
-        return await self._update_weights(ann)
 
     # ------------------------------------------------------------------ claim loop
     async def _claim_loop(self, stop: asyncio.Event) -> None:
@@ -545,14 +433,6 @@ class RolloutWorker:
             self._first_claim.pop(item.sample_id, None)
         return status
 
-    async def _catch_up(self) -> None:
-        """Load the announced weights now if they are newer than the engine's (see :meth:`generate`)."""
-        with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
-            ann = await self.buffer.clock.latest()
-            if self._is_new(ann) and not self._draining and _now() >= self._retry_after:  # a failed load waits
-                self.stats.caught_up += 1
-                await self._update_weights(ann)
-
     async def _end(self, item: WorkItem, reason: str, ids: list[int], lps: list[float],
                    vers: list[int]) -> SampleStatus | None:
         try:
@@ -631,135 +511,6 @@ class RolloutWorker:
                 log.warning("lease renewal failed", exc_info=True)
 
     # ------------------------------------------------------------------ version clock
-    def _is_new(self, ann: WeightAnnouncement | None) -> bool:
-        if ann is None:
-            return False
-        if self.version is None or self.lineage is None:
-            return True
-        return ann.lineage > self.lineage or (ann.lineage == self.lineage and ann.version > self.version)
-
-    async def _subscribe(self) -> None:
-        while not self._stopping:
-            try:
-                async for _ann in self.buffer.clock.subscribe():
-                    self._announced.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # connection lost: polling covers the gap; resubscribe
-                log.debug("weights subscription broke; resubscribing", exc_info=True)
-            await asyncio.sleep(1.0)
-
-    async def _watch_versions(self) -> None:
-        while not self._stopping:
-            # not asyncio.wait_for: on Python < 3.12 it can swallow the cancellation that ends
-            # this loop at shutdown (asyncrl.aio explains)
-            await wait_event(self._announced, self.opts.version_poll_seconds)
-            self._announced.clear()
-            if self._stopping or self._draining or self._engine_lost or _now() < self._retry_after:
-                continue
-            try:
-                ann = await self.buffer.clock.latest()
-                if self._is_new(ann):
-                    await self._update_weights(ann)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.warning("polling the version clock failed", exc_info=True)
-
-    async def _weights_path(self, ann: WeightAnnouncement) -> str:
-        """Local directory holding the announced weights (downloading and verifying for ``http``)."""
-        uri = ann.uri
-        if not uri and ann.version == 0 and self.opts.base_model_path:
-            from asyncrl.models import resolve_model_path
-
-            return str(resolve_model_path(self.opts.base_model_path))
-        if uri.startswith(("http://", "https://")):
-            from asyncrl.weights import download_weights
-
-            cache = self.opts.weights_cache_dir
-            if cache is None:
-                import tempfile
-
-                cache = self.opts.weights_cache_dir = Path(tempfile.mkdtemp(prefix=f"asyncrl-weights-{self.opts.worker_id}-"))
-            path = await download_weights(uri, ann.checksum, Path(cache))
-            self._prune_downloads(Path(cache), keep=path)
-            return str(path)
-        if uri.startswith("file://"):
-            uri = uri[len("file://"):]
-        if not uri or not Path(uri).is_dir():
-            raise FileNotFoundError(f"announced weights of version {ann.version} are not a local directory: {ann.uri!r} "
-                                    "(weight_sync.transport=disk needs storage shared with the trainer; use http otherwise)")
-        return uri
-
-    def _prune_downloads(self, cache: Path, keep: Path) -> None:
-        dirs = sorted(p for p in cache.iterdir() if p.is_dir() and p.name.startswith("v"))
-        for old in dirs[:-self.opts.keep_downloads]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
-
-    async def _update_weights(self, ann: WeightAnnouncement) -> bool:
-        """Pause, load ``ann``'s weights, continue (see the module docstring). False on failure (retried later)."""
-        async with self._update_lock:
-            if self.version is not None and not self._is_new(ann) and self.lineage == ann.lineage:
-                return False
-            self._claim_gate.clear()
-            t0 = _now()
-            transport = self.opts.transport
-            try:
-                if transport == "nccl":
-                    await self._wait_engine_version(str(ann.version))
-                else:
-                    path = await self._weights_path(ann)  # fetch before pausing: the pause stays short
-                    await self.client.pause(self.opts.pause_mode)
-                    try:
-                        await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
-                    finally:
-                        await self.client.resume()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.stats.weight_update_errors += 1
-                self._retry_after = _now() + 2.0
-                if self.metrics is not None:
-                    self.metrics.weight_updates.labels("error").inc()
-                log.error("loading policy version %d (%s) failed: %s; generating on with version %s, retrying",
-                          ann.version, ann.uri, exc, self.version)
-                if isinstance(exc, EngineUnavailable):
-                    self._engine_lost = True
-                return False
-            finally:
-                self._claim_gate.set()
-            self.version, self.lineage = ann.version, ann.lineage
-            self.stats.weight_updates += 1
-            if self.metrics is not None:
-                lag = time.time() - ann.published_ms / 1000.0 if ann.published_ms else None
-                self.metrics.weights_loaded(ann.version, transport, _now() - t0, lag)
-            log.info("policy version %d (lineage %d) live on %s", ann.version, ann.lineage, self.client.url)
-            return True
-
-    async def _wait_engine_version(self, version: str, timeout_seconds: float = 600.0) -> None:
-        deadline = _now() + timeout_seconds
-        while await self.client.weight_version() != version:
-            if _now() > deadline:
-                raise TimeoutError(f"the engine did not receive version {version} over nccl in {timeout_seconds:.0f} s")
-            await asyncio.sleep(0.1)
-
-    # ------------------------------------------------------------------ engine loss
-    async def _recover_engine(self, stop: asyncio.Event) -> None:
-        """Wait for the engine to answer again, then reload the announced weights."""
-        deadline = _now() + self.opts.engine_wait_seconds
-        while not stop.is_set():
-            if await self.client.health():
-                self._engine_lost = False
-                self.version = self.lineage = None  # a restarted engine holds the base model
-                await self.sync_weights(initial=True)
-                return
-            if _now() > deadline:
-                self._fatal = WorkerError(f"the engine at {self.client.url} has been unreachable for "
-                                          f"{self.opts.engine_wait_seconds:.0f} s")
-                return
-            await asyncio.sleep(0.5)
-
     # ------------------------------------------------------------------ metrics
     def _report_inflight(self) -> None:
         if self.metrics is not None:

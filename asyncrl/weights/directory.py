@@ -15,8 +15,8 @@ deleted. :func:`verify_weights_dir` checks a directory against its ``SHA256SUMS`
 (this one, or a sharded one) into a CPU state dict, as an engine's ``/update_weights_from_disk``
 does. Nothing here unpickles: safetensors and JSON only.
 
-The trainer writes these directories (``trainer/trainer.py``) and the rollout servers read them
-(``rollout_server/weight_endpoints.py``, ``rollout_server/worker.py``); see
+The trainer writes these directories (``trainer/publisher.py``) and the rollout servers read them
+(``rollout_server/weight_endpoints.py``, ``rollout_server/worker_weights.py``); see
 docs/architecture.md#weight-sync.
 """
 

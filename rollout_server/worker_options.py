@@ -1,0 +1,105 @@
+"""A rollout worker's options, counters and fatal error (:mod:`rollout_server.worker`).
+
+:class:`WorkerOptions` are the knobs of one :class:`rollout_server.worker.RolloutWorker` (most
+from the config, :meth:`WorkerOptions.from_config`), :class:`WorkerStats` its counters, and
+:class:`WorkerError` what it raises when it cannot go on. All three are importable from
+:mod:`rollout_server.worker` too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["WorkerOptions", "WorkerError", "WorkerStats"]
+
+
+class WorkerError(RuntimeError):
+    """The worker cannot go on (the engine rejects our requests, or never becomes healthy)."""
+
+
+@dataclass
+class WorkerOptions:
+    """Knobs of one rollout worker (most come from the config: :meth:`from_config`).
+
+    Args:
+        worker_id: unique per worker (leases are held under it); also the engine ``rid`` prefix.
+        temperature: sampling temperature (``rollout.temperature``).
+        max_inflight_requests: work items in flight on the engine (``rollout.max_inflight_requests``).
+        pause_mode: ``abort`` or ``in_place`` (``rollout.pause_mode``).
+        transport: ``disk``, ``http`` or ``nccl`` (``weight_sync.transport``).
+        stop: stop strings (``rollout.stop``).
+        base_model_path: weights of policy version 0 (``model.path``), loaded when a recovery
+            rewinds to version 0 without announcing a uri.
+        weights_cache_dir: where ``http`` downloads land (default: a temp directory).
+        keep_downloads: downloaded versions kept in ``weights_cache_dir``.
+        version_poll_seconds: how often ``clock.latest()`` is polled besides pub/sub.
+        claim_poll_seconds: wait between claims when the buffer has no work.
+        engine_wait_seconds: how long to wait for a lost engine before :class:`WorkerError`.
+        drain_timeout_seconds: how long :meth:`RolloutWorker.drain` waits for in-flight items.
+        extra_sampling_params: merged into every request's ``sampling_params`` (e.g.
+            ``{"ignore_eos": true}`` in benchmarks); may not set the keys the worker owns.
+    """
+
+    worker_id: str
+    temperature: float = 1.0
+    max_inflight_requests: int = 32
+    pause_mode: str = "abort"
+    transport: str = "disk"
+    stop: Sequence[str] = ()
+    base_model_path: str | None = None
+    weights_cache_dir: Path | None = None
+    keep_downloads: int = 2
+    version_poll_seconds: float = 0.5
+    claim_poll_seconds: float = 0.05
+    engine_wait_seconds: float = 120.0
+    drain_timeout_seconds: float = 60.0
+    extra_sampling_params: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owned = {"temperature", "top_p", "top_k", "max_new_tokens"} & set(self.extra_sampling_params)
+        if owned:
+            raise ValueError(f"extra_sampling_params may not set {sorted(owned)}: the worker sets them "
+                             "(temperature from rollout.temperature, top_p=1, top_k=-1, max_new_tokens from the buffer)")
+        if self.pause_mode not in ("abort", "in_place"):
+            raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {self.pause_mode!r}")
+        if self.transport not in ("disk", "http", "nccl"):
+            raise ValueError(f"transport must be disk, http or nccl, got {self.transport!r}")
+        if self.max_inflight_requests < 1:
+            raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
+        if not self.worker_id or any(c.isspace() for c in self.worker_id):
+            raise ValueError(f"worker_id must be a non-empty string without spaces, got {self.worker_id!r}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, worker_id: str, **overrides: Any) -> "WorkerOptions":
+        """Options from an :class:`asyncrl.config.AsyncRLConfig` (``overrides`` win)."""
+        r = cfg.rollout
+        kw: dict[str, Any] = dict(
+            worker_id=worker_id, temperature=r.temperature, max_inflight_requests=r.max_inflight_requests,
+            pause_mode=r.pause_mode, transport=cfg.weight_sync.transport, stop=list(r.stop),
+            base_model_path=cfg.model.path,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker (also exported as Prometheus metrics when a RolloutMetrics is given)."""
+
+    segments: int = 0
+    generated_tokens: int = 0
+    completed: int = 0
+    scored: int = 0
+    reward_errors: int = 0
+    parked_budget: int = 0
+    parked_abort: int = 0
+    lease_lost: int = 0
+    version_ahead: int = 0
+    engine_errors: int = 0
+    weight_updates: int = 0
+    weight_update_errors: int = 0
+    #: segments that found the clock ahead of the engine at claim time and loaded the weights first
+    caught_up: int = 0
+    drained: list[str] = field(default_factory=list)

@@ -1,0 +1,219 @@
+"""The rollout worker's weight sync: follow the version clock and load each policy version.
+
+Step 12 of docs/architecture.md#data-flow-of-one-sample, the rollout side of
+docs/architecture.md#weight-sync. :class:`WorkerWeightSync` is a base of
+:class:`rollout_server.worker.RolloutWorker` (the module docstring there describes the whole
+worker); its methods run on the worker:
+
+* **Version clock (pull).** ``_subscribe`` listens on the weights channel and ``_watch_versions``
+  polls ``clock.latest()`` every ``version_poll_seconds`` (pub/sub can miss messages); a newer
+  version, or a new lineage (``_is_new``), is loaded by ``_update_weights``.
+* **Loading** (``_update_weights``): the weights are fetched first (``_weights_path``: ``http``
+  downloads and verifies into ``weights_cache_dir``, keeping the last ``keep_downloads``;
+  ``disk`` uses the announced directory; version 0 without a uri is ``model.path``), then the
+  engine pauses (``rollout.pause_mode``), loads them with ``/update_weights_from_disk`` and
+  resumes; claiming stops meanwhile. ``nccl``: the trainer pushes the weights, the worker waits
+  until the engine reports the announced version. A failed load is logged and retried 2 s
+  later; the engine keeps generating with the weights it has.
+* **Catching up** (``_catch_up``): an item claimed under a clock newer than the engine's
+  weights loads them before generating.
+* **Start and engine loss** (:meth:`sync_weights`, ``_recover_engine``): align the engine with
+  the clock (a restarted engine holds the base model); an engine unreachable for
+  ``engine_wait_seconds`` stops the worker with :class:`WorkerError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from asyncrl.aio import wait_event
+from asyncrl.types import WeightAnnouncement
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rollout_server.client import EngineError, EngineUnavailable
+from rollout_server.worker_options import WorkerError
+
+__all__ = ["WorkerWeightSync"]
+
+# The worker's logger: these records read as they did when this code was in worker.py.
+log = logging.getLogger("rollout_server.worker")
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class WorkerWeightSync:
+    """Weight sync of one rollout worker (a base of :class:`rollout_server.worker.RolloutWorker`).
+
+    Uses the worker's ``buffer`` (its ``clock``), ``client``, ``opts``, ``stats``, ``metrics``,
+    ``version``/``lineage`` (the weights the engine holds), the claim gate, the update lock and
+    the flags ``_draining``, ``_stopping``, ``_engine_lost``, ``_retry_after`` and ``_fatal``.
+    """
+
+    # ------------------------------------------------------------------ start and resync
+    async def sync_weights(self, initial: bool = False) -> bool:
+        """Bring the engine to the announced policy version; True if weights were (re)loaded.
+
+        ``initial``: also align an engine that reports another version string (e.g. SGLang's
+        ``"default"`` or a restarted engine) with the clock; with no announcement yet the engine
+        holds version 0 (``model.path``) and is told so via ``/update_weight_version``.
+        """
+        ann = await self.buffer.clock.latest()
+        if ann is None:
+            if initial or self.version is None:
+                with contextlib.suppress(EngineError):
+                    if await self.client.weight_version() != "0":
+                        await self.client.update_weight_version("0", abort_all_requests=False)
+                self.version = 0
+                self.lineage = await self.buffer.clock.lineage()
+            return False
+        if not initial and not self._is_new(ann):
+            return False
+        if initial and self.lineage is None:
+            with contextlib.suppress(EngineError, EngineUnavailable):
+                if await self.client.weight_version() == str(ann.version):
+                    self.version, self.lineage = ann.version, ann.lineage
+                    return False
+        return await self._update_weights(ann)
+
+    async def _catch_up(self) -> None:
+        """Load the announced weights now if they are newer than the engine's (see :meth:`generate`)."""
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+            ann = await self.buffer.clock.latest()
+            if self._is_new(ann) and not self._draining and _now() >= self._retry_after:  # a failed load waits
+                self.stats.caught_up += 1
+                await self._update_weights(ann)
+    # ------------------------------------------------------------------ version clock
+    def _is_new(self, ann: WeightAnnouncement | None) -> bool:
+        if ann is None:
+            return False
+        if self.version is None or self.lineage is None:
+            return True
+        return ann.lineage > self.lineage or (ann.lineage == self.lineage and ann.version > self.version)
+
+    async def _subscribe(self) -> None:
+        while not self._stopping:
+            try:
+                async for _ann in self.buffer.clock.subscribe():
+                    self._announced.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # connection lost: polling covers the gap; resubscribe
+                log.debug("weights subscription broke; resubscribing", exc_info=True)
+            await asyncio.sleep(1.0)
+
+    async def _watch_versions(self) -> None:
+        while not self._stopping:
+            # not asyncio.wait_for: on Python < 3.12 it can swallow the cancellation that ends
+            # this loop at shutdown (asyncrl.aio explains)
+            await wait_event(self._announced, self.opts.version_poll_seconds)
+            self._announced.clear()
+            if self._stopping or self._draining or self._engine_lost or _now() < self._retry_after:
+                continue
+            try:
+                ann = await self.buffer.clock.latest()
+                if self._is_new(ann):
+                    await self._update_weights(ann)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("polling the version clock failed", exc_info=True)
+
+    async def _weights_path(self, ann: WeightAnnouncement) -> str:
+        """Local directory holding the announced weights (downloading and verifying for ``http``)."""
+        uri = ann.uri
+        if not uri and ann.version == 0 and self.opts.base_model_path:
+            from asyncrl.models import resolve_model_path
+
+            return str(resolve_model_path(self.opts.base_model_path))
+        if uri.startswith(("http://", "https://")):
+            from asyncrl.weights import download_weights
+
+            cache = self.opts.weights_cache_dir
+            if cache is None:
+                import tempfile
+
+                cache = self.opts.weights_cache_dir = Path(tempfile.mkdtemp(prefix=f"asyncrl-weights-{self.opts.worker_id}-"))
+            path = await download_weights(uri, ann.checksum, Path(cache))
+            self._prune_downloads(Path(cache), keep=path)
+            return str(path)
+        if uri.startswith("file://"):
+            uri = uri[len("file://"):]
+        if not uri or not Path(uri).is_dir():
+            raise FileNotFoundError(f"announced weights of version {ann.version} are not a local directory: {ann.uri!r} "
+                                    "(weight_sync.transport=disk needs storage shared with the trainer; use http otherwise)")
+        return uri
+
+    def _prune_downloads(self, cache: Path, keep: Path) -> None:
+        dirs = sorted(p for p in cache.iterdir() if p.is_dir() and p.name.startswith("v"))
+        for old in dirs[:-self.opts.keep_downloads]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def _update_weights(self, ann: WeightAnnouncement) -> bool:
+        """Pause, load ``ann``'s weights, continue (see the module docstring). False on failure (retried later)."""
+        async with self._update_lock:
+            if self.version is not None and not self._is_new(ann) and self.lineage == ann.lineage:
+                return False
+            self._claim_gate.clear()
+            t0 = _now()
+            transport = self.opts.transport
+            try:
+                if transport == "nccl":
+                    await self._wait_engine_version(str(ann.version))
+                else:
+                    path = await self._weights_path(ann)  # fetch before pausing: the pause stays short
+                    await self.client.pause(self.opts.pause_mode)
+                    try:
+                        await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
+                    finally:
+                        await self.client.resume()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.stats.weight_update_errors += 1
+                self._retry_after = _now() + 2.0
+                if self.metrics is not None:
+                    self.metrics.weight_updates.labels("error").inc()
+                log.error("loading policy version %d (%s) failed: %s; generating on with version %s, retrying",
+                          ann.version, ann.uri, exc, self.version)
+                if isinstance(exc, EngineUnavailable):
+                    self._engine_lost = True
+                return False
+            finally:
+                self._claim_gate.set()
+            self.version, self.lineage = ann.version, ann.lineage
+            self.stats.weight_updates += 1
+            if self.metrics is not None:
+                lag = time.time() - ann.published_ms / 1000.0 if ann.published_ms else None
+                self.metrics.weights_loaded(ann.version, transport, _now() - t0, lag)
+            log.info("policy version %d (lineage %d) live on %s", ann.version, ann.lineage, self.client.url)
+            return True
+
+    async def _wait_engine_version(self, version: str, timeout_seconds: float = 600.0) -> None:
+        deadline = _now() + timeout_seconds
+        while await self.client.weight_version() != version:
+            if _now() > deadline:
+                raise TimeoutError(f"the engine did not receive version {version} over nccl in {timeout_seconds:.0f} s")
+            await asyncio.sleep(0.1)
+    # ------------------------------------------------------------------ engine loss
+    async def _recover_engine(self, stop: asyncio.Event) -> None:
+        """Wait for the engine to answer again, then reload the announced weights."""
+        deadline = _now() + self.opts.engine_wait_seconds
+        while not stop.is_set():
+            if await self.client.health():
+                self._engine_lost = False
+                self.version = self.lineage = None  # a restarted engine holds the base model
+                await self.sync_weights(initial=True)
+                return
+            if _now() > deadline:
+                self._fatal = WorkerError(f"the engine at {self.client.url} has been unreachable for "
+                                          f"{self.opts.engine_wait_seconds:.0f} s")
+                return
+            await asyncio.sleep(0.5)
