@@ -59,10 +59,11 @@ def _wait(pred, proc, timeout, what):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def _start(tmp_path, tiny_model_dir, total_steps):
+def _start(tmp_path, tiny_model_dir, total_steps, extra=()):
     cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(TINY), "--output_dir", str(tmp_path),
            "--model_path", str(tiny_model_dir), "--rollout.base_port", str(free_port()),
-           "--monitoring.progress", "false", "--total_steps", str(total_steps), "--buffer.lease_seconds", "3"]
+           "--monitoring.progress", "false", "--total_steps", str(total_steps), "--buffer.lease_seconds", "3",
+           *extra]
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -97,11 +98,14 @@ def test_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, tiny_
     assert [r["step"] for r in recs if r["role"] == "trainer"] == list(range(1, 8))
 
 
-def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_path, tiny_model_dir, estimator):
     run_dir = tmp_path / "tiny"
     # 12 steps, killed after step 4: the kill must land mid-run. A kill between the final
     # checkpoint and its step record would lose that record (docs/trainer.md, known gap).
-    proc = _start(tmp_path, tiny_model_dir, total_steps=12)
+    # gae: PPO with a critic; actor and critic must come back from the same checkpoint step.
+    extra = ["--trainer.advantage", "gae", "--trainer.critic.optimizer.lr", "1e-4"] if estimator == "gae" else []
+    proc = _start(tmp_path, tiny_model_dir, total_steps=12, extra=extra)
     try:
         _wait(lambda: _trainer_step(run_dir) >= 4, proc, 300, "step 4")
         trainer = _pid_of(run_dir, " trainer ")
@@ -122,6 +126,16 @@ def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_pa
     if rewinds:  # the buffer rewound the clock to the checkpoint: a new lineage
         assert max(r.get("policy/lineage", 0) for r in recs) >= 1
     assert "(attempt 2)" in (run_dir / "logs" / "trainer.log").read_text()
+    if estimator == "gae":
+        import torch
+
+        # every step, before and after the restart, trained the critic too
+        assert all("train/value_loss" in r for r in recs if r["role"] == "trainer"), "a step without the critic"
+        tag = (run_dir / "checkpoints" / "latest").read_text().strip()
+        critic_states = list((run_dir / "checkpoints" / tag / "critic").glob("*model_states.pt"))
+        assert critic_states, f"checkpoint {tag} has no critic"
+        client = torch.load(critic_states[0], map_location="cpu", weights_only=False)
+        assert client["asyncrl_critic"]["step"] == int(tag.removeprefix("step")) == 12
 
 
 def _children(pid: int) -> dict[int, str]:

@@ -29,6 +29,12 @@ step k (the dataset prompts ``k*B .. k*B+B-1`` in dataset order, ids ``p<cursor>
 token-mean loss with dual clip, backward per micro-batch in that order, grad-norm clipping
 and one AdamW step.
 
+With the critic on (``advantage: gae``, :func:`test_synchronous_equivalence_with_a_critic`) the
+plain loop also keeps a value head (transformers' token-classification model, loaded from the
+same initial directory as the trainer's critic), computes values before the step, GAE
+advantages and returns inline, the clipped value loss per micro-batch and a second AdamW with
+its own grad-norm clip; each step's value loss and the final critic weights are compared too.
+
 Compared per step (:func:`assert_same_steps`): group ids, sample ids in training order, the
 micro-batches, rewards, the loss (1e-4 relative) and the grad norm; at the end the trainer's
 weights against the plain loop's. Two deliberate swaps show that the comparison detects one
@@ -68,10 +74,16 @@ WEIGHT_DECAY = 0.01
 GRAD_CLIP = 1.0
 EPS_LOW, EPS_HIGH, DUAL_C = 0.2, 0.28, 3.0
 MICRO_BATCH_TOKENS = 96
+CRITIC_LR = 5e-4
+GAMMA, LAM, VALUE_CLIP = 1.0, 0.95, 0.2
 STOP = "a"  # a stop string in ~16% of the tiny vocabulary: responses of 1..12 tokens, some truncated
 
 
-def _config(tmp_path: Path, model_dir: Path, redis_url: str):
+def _config(tmp_path: Path, model_dir: Path, redis_url: str, critic_dir: Path | None = None):
+    critic = {} if critic_dir is None else {
+        "advantage": "gae", "gae": {"discount": GAMMA, "gae_lambda": LAM},
+        "critic": {"model_path": str(critic_dir), "value_eps_clip": VALUE_CLIP, "value_norm": False,
+                   "optimizer": {"lr": CRITIC_LR, "grad_clip": GRAD_CLIP, "lr_schedule": "constant"}}}
     return load_config([], environ={}, overrides={
         "run": {"name": "sync", "output_dir": str(tmp_path), "seed": 0, "total_steps": STEPS},
         "model": {"path": str(model_dir), "dtype": "float32"},
@@ -88,7 +100,7 @@ def _config(tmp_path: Path, model_dir: Path, redis_url: str):
                              "clip_eps_high": EPS_HIGH, "dual_clip_c": DUAL_C, "kl_coef": 0.0, "entropy_coef": 0.0,
                              "mask_too_long": False, "mask_no_eos_with_zero": False},
                     "optimizer": {"lr": LR, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
-                                  "lr_schedule": "constant", "warmup_steps": 0}},
+                                  "lr_schedule": "constant", "warmup_steps": 0}, **critic},
         "weight_sync": {"transport": "disk", "interval": 1},
         "monitoring": {"jsonl": True, "progress": False},
     })
@@ -157,6 +169,8 @@ def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], 
     try:
         result = train_loop(trainer, source, stop=stop)
         weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+        if trainer.critic is not None:
+            weights.update({f"critic.{k}": v.detach().clone() for k, v in trainer.critic.engine.module.state_dict().items()})
     finally:
         stop.set()
         server.terminate()
@@ -185,6 +199,7 @@ def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], 
             "micro_batches": mbs,
             "rewards": [s.reward for g in groups for s in g.samples],
             "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            "value_loss": metrics.get("value_loss"),
         })
     return records, generated, weights
 
@@ -192,8 +207,9 @@ def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], 
 # ------------------------------------------------------------------------------------ plain loop
 
 
-def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, steps: int) -> tuple[list[dict], dict]:
-    """Synchronous on-policy GRPO with PPO clip, written from the formulas (no asyncrl code).
+def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, steps: int,
+                    critic_dir: Path | None = None) -> tuple[list[dict], dict]:
+    """Synchronous on-policy GRPO (or PPO with GAE and a value head) with PPO clip, written from the formulas (no asyncrl code).
 
     Args:
         model_dir: the initial model.
@@ -201,9 +217,12 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
         generated: ``(group id, sample index) -> {"response_ids", "behaviour_logprobs"}``: the
             tokens the engine sampled from the policy (replayed, see the module docstring).
         steps: optimizer steps to run.
+        critic_dir: with a critic: the value head's initial weights (a token-classification
+            model, one label); advantages are then GAE over per-token rewards (the sequence
+            reward on the last token), and the critic takes the clipped value loss.
 
     Returns:
-        ``(records, final state dict)``; one record per step.
+        ``(records, final state dict)``; one record per step (critic weights prefixed ``critic.``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -212,6 +231,13 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
     assert all(not isinstance(m, torch.nn.Dropout) or m.p == 0.0 for m in model.modules())
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WEIGHT_DECAY)
+    critic = critic_opt = None
+    if critic_dir is not None:
+        from transformers import AutoModelForTokenClassification
+
+        critic = AutoModelForTokenClassification.from_pretrained(critic_dir, dtype=torch.float32)
+        critic.train()
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=CRITIC_LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     records = []
     for step in range(steps):
         # 1. the batch: the next B prompts of the dataset, n samples each (replayed generations)
@@ -225,13 +251,26 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
         # 2. score: the length reward, (len(decoded response) % 7) / 7
         for s in samples:
             s["reward"] = (len(tok.decode(s["response_ids"], skip_special_tokens=True)) % 7) / 7.0
-        # 3. GRPO advantages: (r - mean) / (unbiased std + 1e-6) per prompt group
-        for gid in group_ids:
+        # 3. GRPO advantages: (r - mean) / (unbiased std + 1e-6) per prompt group; with a critic:
+        #    values V(s_t) before the step, rewards 0 ... 0 r, GAE and returns A + V
+        if critic is not None:
+            with torch.no_grad():
+                for s in samples:
+                    ids = torch.tensor([s["prompt"] + s["response_ids"][:-1]])
+                    v = critic(input_ids=ids).logits[0, len(s["prompt"]) - 1:, 0].double()
+                    T = len(s["response_ids"])
+                    r = [0.0] * (T - 1) + [s["reward"]]
+                    delta = [r[t] + GAMMA * (float(v[t + 1]) if t + 1 < T else 0.0) - float(v[t]) for t in range(T)]
+                    adv = [sum((GAMMA * LAM) ** (l - t) * delta[l] for l in range(t, T)) for t in range(T)]
+                    s["adv"] = torch.tensor(adv, dtype=torch.float32)
+                    s["old_values"] = v.float()
+                    s["returns"] = (torch.tensor(adv, dtype=torch.float64) + v).float()
+        for gid in group_ids if critic is None else []:
             members = [s for s in samples if s["gid"] == gid]
             r = torch.tensor([s["reward"] for s in members], dtype=torch.float64)
             adv = (r - r.mean()) / (r.std(unbiased=True) + 1e-6)
             for s, a in zip(members, adv.float().tolist()):
-                s["adv"] = a
+                s["adv"] = torch.full((len(s["response_ids"]),), a)
         # 4. micro-batches: next-fit by tokens fed (prompt + response - 1), batch order kept; a
         #    prompt equal to the previous sample's is fed once (trainer.share_prompts, on by
         #    default); this loop still runs every sample alone, with its own prompt
@@ -246,9 +285,10 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
                 bins.append([s])
                 used = n
         total_tokens = sum(len(s["response_ids"]) for s in samples)
-        loss_sum, onpolicy_gap = 0.0, 0.0
+        loss_sum, value_loss_sum, onpolicy_gap = 0.0, 0.0, 0.0
         for mb in bins:
             mb_loss = 0.0
+            mb_value_loss = 0.0
             for s in mb:
                 ids = torch.tensor([s["prompt"] + s["response_ids"]])
                 p, resp = len(s["prompt"]), torch.tensor(s["response_ids"])
@@ -259,22 +299,36 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
                 ratio = torch.exp(logp - behav)
                 a = s["adv"]
                 pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH))
-                if a < 0:
-                    pg = torch.minimum(pg, torch.full_like(pg, -DUAL_C * a))
+                pg = torch.where(a < 0, torch.minimum(pg, -DUAL_C * a), pg)
                 mb_loss = mb_loss + pg.sum() / total_tokens
+                if critic is not None:
+                    v = critic(input_ids=ids[:, :-1]).logits[0, p - 1:, 0]
+                    old, ret = s["old_values"], s["returns"]
+                    v_clip = old + (v - old).clamp(-VALUE_CLIP, VALUE_CLIP)
+                    mb_value_loss = mb_value_loss + 0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2).sum() / total_tokens
             mb_loss.backward()
             loss_sum += float(mb_loss.detach())
+            if critic is not None:
+                mb_value_loss.backward()
+                value_loss_sum += float(mb_value_loss.detach())
         # 5. one optimizer step: clip the global grad norm, AdamW
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if critic is not None:
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), GRAD_CLIP)
+            critic_opt.step()
+            critic_opt.zero_grad(set_to_none=True)
         records.append({
             "group_ids": group_ids, "sample_ids": [s["id"] for s in samples],
             "micro_batches": [[s["id"] for s in mb] for mb in bins],
             "rewards": [s["reward"] for s in samples], "loss": loss_sum, "grad_norm": grad_norm,
-            "onpolicy_gap": onpolicy_gap,
+            "onpolicy_gap": onpolicy_gap, "value_loss": value_loss_sum if critic is not None else None,
         })
-    return records, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if critic is not None:
+        state.update({f"critic.{k}": v.detach().clone() for k, v in critic.state_dict().items()})
+    return records, state
 
 
 def assert_same_steps(asyncrl: list[dict], plain: list[dict]) -> None:
@@ -291,6 +345,9 @@ def assert_same_steps(asyncrl: list[dict], plain: list[dict]) -> None:
         assert a["rewards"] == pytest.approx(p["rewards"], abs=1e-12), f"step {k}: rewards differ"
         assert math.isclose(a["loss"], p["loss"], rel_tol=1e-4, abs_tol=1e-9), (
             f"step {k}: loss {a['loss']!r} (asyncrl) != {p['loss']!r} (plain loop)")
+        if p.get("value_loss") is not None:
+            assert a["value_loss"] is not None and math.isclose(a["value_loss"], p["value_loss"], rel_tol=1e-4), (
+                f"step {k}: value loss {a['value_loss']!r} (asyncrl) != {p['value_loss']!r} (plain loop)")
         assert math.isclose(a["grad_norm"], p["grad_norm"], rel_tol=1e-3), (
             f"step {k}: grad norm {a['grad_norm']!r} != {p['grad_norm']!r}")
         assert p["onpolicy_gap"] < 1e-4, (
@@ -342,3 +399,31 @@ def test_synchronous_equivalence(tmp_path, tiny_model_dir, redis_url):
     with pytest.raises(AssertionError, match="step 1: loss"):
         assert_same_steps(records[:1], [{**plain_swapped[0], "rewards": plain[0]["rewards"],
                                          "micro_batches": plain[0]["micro_batches"]}])
+
+
+def test_synchronous_equivalence_with_a_critic(tmp_path, tiny_model_dir, redis_url):
+    """PPO with GAE: the same steps, losses, value losses and final actor and critic weights."""
+    from asyncrl.models import load_tokenizer
+    from asyncrl.tasks import TrainPromptStream
+    from trainer.critic import load_value_model
+
+    torch.set_num_threads(1)
+    critic_dir = tmp_path / "critic0"
+    head = load_value_model(tiny_model_dir)
+    torch.nn.init.normal_(head.score.weight, std=0.2, generator=torch.Generator().manual_seed(1))
+    head.save_pretrained(critic_dir)  # one initial critic for both sides
+    load_tokenizer(tiny_model_dir).save_pretrained(critic_dir)  # a model directory carries its tokenizer
+    cfg = _config(tmp_path, tiny_model_dir, redis_url, critic_dir=critic_dir)
+    records, generated, trainer_weights = run_asyncrl(cfg, tmp_path)
+    stream = TrainPromptStream(cfg.data, load_tokenizer(tiny_model_dir), seed=cfg.run.seed)
+    prompts = [list(stream.get(c).prompt_ids) for c in range((STEPS + 1) * GROUPS_PER_STEP)]
+    plain, plain_weights = plain_sync_loop(tiny_model_dir, prompts, generated, STEPS, critic_dir=critic_dir)
+    print("sync equivalence (critic):", [(r["loss"], p["loss"], r["value_loss"], p["value_loss"]) for r, p in zip(records, plain)])
+    assert_same_steps(records, plain)
+    assert all(r["value_loss"] > 1e-4 for r in records)
+    moved = max(float((trainer_weights[f"critic.{k}"] - v).abs().max()) for k, v in head.state_dict().items())
+    assert moved > 1e-3
+    for name, w in plain_weights.items():
+        if name.endswith("lm_head.weight") and name not in trainer_weights:
+            continue
+        assert float((trainer_weights[name] - w).abs().max()) < 5e-5, name
