@@ -1,8 +1,10 @@
 """What the embedded server reads and writes: /generate parsing, response objects, JSON bodies, detokenizing.
 
 One job: the shapes of SGLang's native API (the subset in docs/rollout.md, "HTTP API") as the
-embedded engine speaks it. :func:`parse_generate` validates a ``/generate`` body into prompt groups (any
-problem is a :class:`RequestError`, a 400 before anything reaches the engine);
+embedded engine speaks it. :func:`parse_generate` validates a ``/generate`` body (its schema is
+:class:`rollout_server.schemas.GenerateBody`) into prompt groups (any problem is a
+:class:`RequestError`, a 400 before anything reaches the engine); :func:`read_body` reads any
+other endpoint's body through its schema;
 :func:`response_object` shapes one output (``_handle_batch_output``'s shape, with ``[logprob,
 id, null]`` triples and per-token weight-version spans); :class:`IncrementalDetokenizer`
 decodes a growing stream in O(length) total work.
@@ -20,6 +22,7 @@ from aiohttp import web
 
 from rollout_server.engine import Engine, EngineGroup, EngineSample
 from rollout_server.sampling import RequestError, SamplingParams
+from rollout_server.schemas import GenerateBody, SamplingParamsBody, parse_body, validate_body
 
 __all__ = [
     "GENERATE_KEYS",
@@ -29,24 +32,14 @@ __all__ = [
     "encode_text",
     "error_response",
     "parse_generate",
-    "read_json_body",
+    "read_body",
     "response_object",
     "version_spans",
     "weight_version_of",
 ]
 
 #: every field SGLang's ``GenerateReqInput`` accepts; others are a 400
-GENERATE_KEYS = {
-    "text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "lora_path",
-    "custom_logit_processor", "return_hidden_states", "return_routed_experts", "image_data", "video_data",
-    "audio_data", "session_params", "priority", "extra_key", "routed_dp_rank", "data_parallel_rank",
-    "return_prompt_token_ids", "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "no_logs", "background", "conversation_id", "label",
-}
-#: fields the embedded engine refuses (400) when they are set
-UNSUPPORTED_IF_SET = ("input_embeds", "lora_path", "custom_logit_processor", "image_data", "video_data",
-                      "audio_data", "session_params", "token_ids_logprob")
+GENERATE_KEYS = frozenset(GenerateBody.model_fields)
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -73,90 +66,43 @@ def _finite_or_none(obj: Any) -> Any:
     return obj
 
 
-async def read_json_body(request: web.Request, allow_empty: bool = True) -> dict:
-    """The body of a control request as a JSON object (``{}`` for an empty body if ``allow_empty``).
+async def read_body(request: web.Request, schema: type, *, allow_empty: bool = True, context: dict | None = None,
+                    what: str = "") -> Any:
+    """The body of ``request`` validated by ``schema`` (a :mod:`rollout_server.schemas` model).
 
     Raises:
-        RequestError: not JSON, or not an object.
+        RequestError: not JSON, not an object, or not valid for ``schema`` (the message names the field).
     """
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise RequestError("the request body must be a JSON object")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
+    return parse_body(schema, await request.read(), allow_empty=allow_empty, context=context, what=what)
 
 
 def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[EngineGroup], list[EngineSample], bool, bool]:
-    """Validate a /generate body into prompt groups; returns (groups, samples, is_batch, stream).
+    """Validate a /generate body (parsed JSON) into prompt groups; returns (groups, samples, is_batch, stream).
+
+    The body's shape is :class:`rollout_server.schemas.GenerateBody`; what needs the engine
+    (context length, ``n`` against ``max_running_requests``, rids still running) is checked here.
 
     Raises:
-        RequestError: any problem (the message says what to fix).
+        RequestError: any problem (the message names the field and says what to fix).
     """
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - GENERATE_KEYS)
-    if unknown:
-        raise RequestError(f"unknown field(s) {unknown} in /generate request")
-    for key in UNSUPPORTED_IF_SET:
-        if body.get(key) not in (None, [], {}):
-            raise RequestError(f"{key} is not supported by the embedded engine")
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise RequestError("Either text, input_ids or input_embeds should be provided." if text is None else "provide either text or input_ids, not both")
-    if text is not None:
-        if isinstance(text, str):
-            prompts, is_batch = [encode_text(tokenizer, text)], False
-        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            prompts, is_batch = [encode_text(tokenizer, t) for t in text], True
-        else:
-            raise RequestError("text must be a string or a non-empty list of strings")
-    else:
-        if not isinstance(input_ids, list) or not input_ids:
-            raise RequestError("input_ids cannot be empty.")
-        if all(isinstance(t, list) for t in input_ids):
-            prompts, is_batch = input_ids, True
-        else:
-            prompts, is_batch = [input_ids], False
-        for p in prompts:
-            if not p:
-                raise RequestError("input_ids cannot be empty.")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise RequestError("input_ids must be a list of integers (or a list of such lists)")
-            bad = [t for t in p if not 0 <= t < eng.vocab_size]
-            if bad:
-                raise RequestError(f"token id {bad[0]} out of range [0, {eng.vocab_size})")
+    req = validate_body(GenerateBody, body, context={"vocab_size": eng.vocab_size}, what="/generate request")
+    texts, ids, is_batch = req.prompts()
+    prompts = [encode_text(tokenizer, t) for t in texts] if texts is not None else ids
     nb = len(prompts)
-    sp_raw = body.get("sampling_params")
-    if isinstance(sp_raw, list):
-        if len(sp_raw) != nb:
-            raise RequestError(f"sampling_params has {len(sp_raw)} entries for a batch of {nb}")
-        params = [SamplingParams.from_dict(x, eng.vocab_size) for x in sp_raw]
+    sp = req.sampling_params
+    if isinstance(sp, list):
+        if len(sp) != nb:
+            raise RequestError(f"sampling_params has {len(sp)} entries for a batch of {nb}")
+        params = [x.to_params() for x in sp]
     else:
-        params = [SamplingParams.from_dict(sp_raw, eng.vocab_size)] * nb
+        params = [(sp if sp is not None else SamplingParamsBody()).to_params()] * nb
     if tokenizer is None and any(p.stop or p.min_new_tokens for p in params):
         raise RequestError("stop strings and min_new_tokens need the tokenizer (server runs --skip-tokenizer-init)")
-    rl = body.get("return_logprob")
+    rl = req.return_logprob
     rl = rl if isinstance(rl, list) else [rl] * nb
-    if len(rl) != nb or not all(x is None or isinstance(x, bool) for x in rl):
-        raise RequestError("return_logprob must be a boolean or a list of booleans matching the batch")
-    lsl = body.get("logprob_start_len")
-    lsl = -1 if lsl is None else lsl
-    if isinstance(lsl, bool) or not isinstance(lsl, int) or lsl < -1:
-        raise RequestError(f"logprob_start_len must be an integer >= -1, got {lsl!r}")
-    tln = body.get("top_logprobs_num") or 0
-    if isinstance(tln, bool) or not isinstance(tln, int) or not 0 <= tln <= eng.vocab_size:
-        raise RequestError(f"top_logprobs_num must be an integer in [0, {eng.vocab_size}], got {tln!r}")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be true or false")
-    rid = body.get("rid")
+    if len(rl) != nb:
+        raise RequestError(f"return_logprob has {len(rl)} entries for a batch of {nb}")
+    lsl, tln, stream, rid = req.logprob_start_len, req.top_logprobs_num, req.stream, req.rid
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         if len(prompt) >= eng.context_len or len(prompt) + p.max_new_tokens > eng.context_len:
             raise RequestError(
@@ -166,19 +112,17 @@ def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[EngineG
                 "the input or the completion."
             )
         if p.n > eng.max_batch_size:
-            raise RequestError(f"n={p.n} exceeds max_running_requests={eng.max_batch_size}")
+            raise RequestError(f"sampling_params.n={p.n} exceeds max_running_requests={eng.max_batch_size}")
     total = sum(p.n for p in params)
     if rid is None:
         base = uuid.uuid4().hex
         rids = [base] if total == 1 else [f"{base}_{i}" for i in range(total)]
     elif isinstance(rid, str):
         rids = [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
-    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+    else:
         if len(rid) != nb:
             raise RequestError(f"The rid should be a list of length {nb} (batch size), got {len(rid)}")
         rids = [r if params[i].n == 1 else f"{r}_{j}" for i, r in enumerate(rid) for j in range(params[i].n)]
-    else:
-        raise RequestError("rid must be a string or a list of strings")
     if len(set(rids)) != len(rids):
         raise RequestError("Duplicate request IDs in one batch")
     dup = [r for r in rids if eng.has_rid(r)]
@@ -200,6 +144,11 @@ def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[EngineG
     return groups, samples, is_batch or total > 1, stream
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` (no special tokens added beyond the tokenizer's defaults).
+
+    Raises:
+        RequestError: no tokenizer (``--skip-tokenizer-init``), or the text encodes to nothing.
+    """
     if tokenizer is None:
         raise RequestError("text input needs a tokenizer; send input_ids")
     ids = tokenizer(text)["input_ids"]

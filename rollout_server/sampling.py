@@ -22,7 +22,6 @@ are part of the behaviour distribution.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -46,9 +45,6 @@ class NonFiniteLogits(ValueError):
     def __init__(self, rows: list[int]):
         super().__init__(f"non-finite sampling distribution in row(s) {rows}")
         self.rows = rows
-
-
-_UNSUPPORTED_GRAMMAR = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
 
 
 @dataclass
@@ -100,104 +96,34 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: Any, vocab_size: int) -> "SamplingParams":
-        """Validate a JSON ``sampling_params`` object.
+        """Validate a JSON ``sampling_params`` object (``None`` is all defaults).
+
+        The rules are :class:`rollout_server.schemas.SamplingParamsBody`'s: SGLang's keys and
+        ``verify()`` ranges, strict types, every number bounded to what the sampler accepts.
 
         Raises:
-            RequestError: not a dict, an unknown key, a wrong type or an out-of-range value
-                (SGLang's ``verify()`` rules), or a grammar option (unsupported here).
+            RequestError: not an object, an unknown key, a wrong type or an out-of-range value
+                (the message names the key), or a grammar option (unsupported here).
         """
+        from rollout_server.schemas import SamplingParamsBody, validate_body
+
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
             raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
-        known = cls.__dataclass_fields__
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise RequestError(
-                f"unknown sampling_params key(s) {unknown}; accepted keys: {', '.join(sorted(known))}"
-            )
-        p = cls()
-        for key, value in raw.items():
-            if value is None:
-                continue
-            setattr(p, key, value)
-        p._coerce_and_verify(vocab_size)
-        return p
+        return validate_body(SamplingParamsBody, raw, context={"vocab_size": int(vocab_size)}).to_params()
 
-    def _coerce_and_verify(self, vocab_size: int) -> None:
-        def num(name: str, kind: type) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise RequestError(f"sampling_params.{name} must be a number, got {v!r}")
-            if not math.isfinite(v):  # JSON's NaN/Infinity literals; NaN would poison the sampler
-                raise RequestError(f"sampling_params.{name} must be a finite number, got {v!r}")
-            if kind is int:
-                if float(v) != int(v):
-                    raise RequestError(f"sampling_params.{name} must be an integer, got {v!r}")
-                v = int(v)
-            setattr(self, name, kind(v))
+    def bias_tensors(self):
+        """``(token ids, values)`` of ``logit_bias`` as tensors (built once, then reused every step)."""
+        import torch
 
-        for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
-            num(name, int)
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-            num(name, float)
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-            if not isinstance(getattr(self, name), bool):
-                raise RequestError(f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError("sampling_params.stop must be a non-empty string or a list of non-empty strings")
-        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
-            self.stop_token_ids = [self.stop_token_ids]
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in self.stop_token_ids
-        ):
-            raise RequestError(f"sampling_params.stop_token_ids must be a list of token ids in [0, {vocab_size})")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.top_k == -1 or self.top_k == 0:
-            self.top_k = -1  # all tokens (SGLang maps -1 to 1 << 30; 0 is accepted as "off" here too)
-        elif self.top_k < 1:
-            raise RequestError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
-        if self.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
-            raise RequestError(
-                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."
-            )
-        if self.n < 1:
-            raise RequestError(f"n must be at least 1, got {self.n}.")
-        if self.stream_interval is not None:
-            num("stream_interval", int)
-            if self.stream_interval < 1:
-                raise RequestError(f"stream_interval must be at least 1, got {self.stream_interval}.")
-        if self.sampling_seed is not None:
-            num("sampling_seed", int)
-        if self.custom_params is not None and not isinstance(self.custom_params, dict):
-            raise RequestError("sampling_params.custom_params must be an object")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise RequestError("sampling_params.logit_bias must be an object {token_id: bias}")
-            for k, v in self.logit_bias.items():
-                try:
-                    tid = int(k)
-                except (TypeError, ValueError):
-                    raise RequestError(f"logit_bias key {k!r} is not a token id") from None
-                if not 0 <= tid < vocab_size or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise RequestError(f"logit_bias entry {k!r}: {v!r} must map a token id in [0, {vocab_size}) to a finite number")
-        for name in _UNSUPPORTED_GRAMMAR:
-            if getattr(self, name) is not None:
-                raise RequestError(f"sampling_params.{name} (constrained decoding) is not supported by the embedded engine")
+        cached = self.__dict__.get("_bias_tensors")
+        if cached is None:
+            items = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+            cached = (torch.tensor([k for k, _ in items], dtype=torch.long),
+                      torch.tensor([v for _, v in items], dtype=torch.float32))
+            self.__dict__["_bias_tensors"] = cached
+        return cached
 
 
 def _adjust_logits(logits_row, p: SamplingParams, output_ids: Sequence[int], prompt_ids: Sequence[int]):
@@ -205,8 +131,8 @@ def _adjust_logits(logits_row, p: SamplingParams, output_ids: Sequence[int], pro
     import torch
 
     if p.logit_bias:
-        for k, v in p.logit_bias.items():
-            logits_row[int(k)] += float(v)
+        ids, values = p.bias_tensors()
+        logits_row.index_add_(0, ids, values.to(logits_row.dtype))
     if output_ids and (p.frequency_penalty or p.presence_penalty):
         ids = torch.tensor(output_ids, dtype=torch.long)
         counts = torch.bincount(ids, minlength=logits_row.shape[0]).to(logits_row.dtype)

@@ -14,8 +14,9 @@ pickle), ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
 
 With an API key every endpoint except ``/health*`` and ``/metrics`` needs ``Authorization:
 Bearer <key>`` (or ``x-api-key``), else 401 ``{"error": "Unauthorized"}`` (SGLang's
-middleware). Bad requests get 400 ``{"error": {"message": ...}}`` before anything reaches the
-engine, so they never disturb other requests.
+middleware). Every body is validated by its endpoint's schema (:mod:`rollout_server.schemas`:
+strict types, bounded sizes and numbers); bad requests get 400 ``{"error": {"message": ...}}``
+naming the field before anything reaches the engine, so they never disturb other requests.
 
 Deviations from SGLang, on purpose: ``/health`` answers 200 without a test generation (use
 ``/health_generate`` for that); ``/health_generate`` answers 200 at once while the engine is
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import json
 import logging
 import sys
 import time
@@ -52,10 +52,11 @@ from rollout_server.requests import (
     dumps,
     error_response,
     parse_generate,
-    read_json_body,
+    read_body,
     response_object,
 )
 from rollout_server.sampling import RequestError, SamplingParams
+from rollout_server.schemas import AbortBody, ContinueBody, PauseBody, parse_json
 from rollout_server.weight_endpoints import WeightEndpoints, destroy_group
 
 __all__ = ["ServerOptions", "RolloutHTTPServer", "build_app", "main", "VERSION"]
@@ -221,11 +222,9 @@ class RolloutHTTPServer(WeightEndpoints):
     # -- /generate ---------------------------------------------------------------------------------
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST /generate`` (:class:`~rollout_server.schemas.GenerateBody`): one response, a list, or an SSE stream."""
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response("the request body is not valid JSON")
-        try:
+            body = parse_json(await request.read())
             groups, samples, is_batch, stream = parse_generate(body, self.engine, self._tokenizer)
         except RequestError as exc:
             return error_response(str(exc))
@@ -316,23 +315,18 @@ class RolloutHTTPServer(WeightEndpoints):
     # -- abort / pause ------------------------------------------------------------------------------
 
     async def handle_abort(self, request: web.Request) -> web.Response:
+        """``POST /abort_request`` (:class:`~rollout_server.schemas.AbortBody`)."""
         try:
-            body = await read_json_body(request)
-            rid = body.get("rid", "") or ""
-            abort_all = body.get("abort_all", False)
-            if not isinstance(rid, str) or not isinstance(abort_all, bool):
-                raise RequestError("abort_request takes {'rid': str, 'abort_all': bool}")
+            body = await read_body(request, AbortBody, what="/abort_request")
         except RequestError as exc:
             return error_response(str(exc))
-        self.engine.abort(rid, abort_all)
+        self.engine.abort(body.rid, body.abort_all)
         return web.Response(status=200)
 
     async def handle_pause(self, request: web.Request) -> web.Response:
+        """``POST /pause_generation`` (:class:`~rollout_server.schemas.PauseBody`)."""
         try:
-            body = await read_json_body(request)
-            mode = body.get("mode", "abort") or "abort"
-            if mode not in ("abort", "retract", "in_place"):
-                raise RequestError(f"mode must be one of abort, retract, in_place; got {mode!r}")
+            mode = (await read_body(request, PauseBody, what="/pause_generation")).mode
         except RequestError as exc:
             return error_response(str(exc))
         self._unpaused.clear()
@@ -341,8 +335,9 @@ class RolloutHTTPServer(WeightEndpoints):
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def handle_continue(self, request: web.Request) -> web.Response:
+        """``POST /continue_generation`` (:class:`~rollout_server.schemas.ContinueBody`)."""
         try:
-            await read_json_body(request)
+            await read_body(request, ContinueBody, what="/continue_generation")
         except RequestError as exc:
             return error_response(str(exc))
         await asyncio.wrap_future(self.engine.call("resume"))

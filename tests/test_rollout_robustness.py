@@ -302,9 +302,11 @@ async def test_bad_weight_updates_are_refused_atomically(model_dir, model):
 
 
 async def test_invalid_distribution_fails_only_its_request(model_dir):
-    """A logit bias that overflows fp32 (1e300 is a finite JSON number) makes one request's
-    distribution NaN: that request gets a 500 naming it, a concurrent request finishes, and the
-    server goes on. NaN/Infinity literals in sampling params are refused with 400."""
+    """A logit bias that would overflow fp32 (1e300 is a finite JSON number) is refused with a 400
+    naming it (biases lie in [-100, 100]); had it reached the engine, the NaN distribution would
+    fail that request alone (the engine-level path is tests/test_rollout_validation.py's). A
+    concurrent request finishes, and the server goes on. NaN/Infinity literals in sampling
+    params are refused with 400."""
     import aiohttp
 
     async with _InProcessServer(model_dir) as srv, EngineClient(srv.url) as c:
@@ -312,7 +314,12 @@ async def test_invalid_distribution_fails_only_its_request(model_dir):
         await asyncio.sleep(0.05)
         with pytest.raises(EngineError) as err:
             await c.generate([7, 8, 9], {"max_new_tokens": 8, "temperature": 1.0, "logit_bias": {"5": 1e300}})
-        assert err.value.status == 500 and "non-finite" in err.value.message and "sampling" in err.value.message
+        assert err.value.status == 400 and "logit_bias['5']" in err.value.message
+        eng = srv.server.engine
+        victim = EngineSample("overflow", [7, 8, 9], SamplingParams(max_new_tokens=8, logit_bias={"5": 1e300}))
+        eng.submit([EngineGroup(victim.prompt_ids, [victim])])  # past the HTTP schema, straight to the engine
+        _wait([victim])
+        assert victim.finish_reason["status_code"] == 500 and "non-finite" in victim.finish_reason["message"]
         res = await ok
         assert res["meta_info"]["finish_reason"]["type"] == "length" and len(res["output_ids"]) == 40
         assert srv.server.engine.error is None
