@@ -12,12 +12,17 @@ KV cache layout: :mod:`rollout_server.kv_cache` (one left-padded buffer per laye
 that arrives while a batch runs is prefilled on its own, then copied right-aligned into free
 slots and joins the very next decode step; the ``n`` samples of a prompt share one prefill).
 
-Failures: a row whose logits are non-finite (or whose sampling distribution is, after penalties,
-bias and temperature) fails alone with a 500 naming it (:mod:`rollout_server.engine_outputs`,
-which also holds the stop and length rules); any other exception in a step fails every
-live request with a 500 and the engine goes on. Weight updates are validated and converted
-completely (names, shapes, floating dtypes, finite values, tied aliases) before the first copy
-(:mod:`rollout_server.engine_weights`).
+Failures: one request never fails another. A row whose logits are non-finite (or whose
+sampling distribution is, after penalties, bias and temperature) fails alone with a 500 naming
+it (:mod:`rollout_server.engine_outputs`, which also holds the stop and length rules); so does
+a request whose own data makes the engine raise (a seed the generator refuses, a token id
+outside the vocabulary, a stop rule that raises: the HTTP layer refuses these with a 400, but a
+caller of the engine's API may not): a batched prefill that raises is redone prompt by prompt,
+sampling that raises is redone row by row, and only the request that still raises fails.
+Only an exception that belongs to no request (the decode forward pass over the whole batch,
+placing rows in the KV cache) fails every live request with a 500; the engine goes on.
+Weight updates are validated and converted completely (names, shapes, floating dtypes, finite
+values, tied aliases) before the first copy (:mod:`rollout_server.engine_weights`).
 
 Weights change only between steps; each output token records the version that produced it.
 
@@ -186,6 +191,7 @@ class Engine(KVCacheSlots, EngineWeights, EngineOutputs):
             "num_retractions_total": 0,
             "decode_steps_total": 0,
             "nonfinite_logits_total": 0,
+            "request_errors_total": 0,  # requests failed alone by an error of their own (engine_outputs._fail_requests)
         }
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.error: BaseException | None = None
@@ -456,6 +462,41 @@ class Engine(KVCacheSlots, EngineWeights, EngineOutputs):
         return self._prefill(items)
 
     def _prefill(self, items: list[_Item]) -> list[EngineSample]:
+        """Prefill ``items`` together, sample each sample's first token and place the rows.
+
+        Nothing in the batch changes before placement, so when the prefill or the first sampling
+        raises, the items are prefilled again one by one and an item that raises on its own fails
+        alone (500 naming the request); the others are placed as usual.
+        """
+        try:
+            done = self._prefill_compute(items)
+        except Exception as exc:  # one request's input that slipped past validation must not fail the others
+            if len(items) > 1:
+                log.warning("a batched prefill of %d prompts failed (%s: %s); prefilling them one by one",
+                            len(items), type(exc).__name__, exc)
+                updated: list[EngineSample] = []
+                for it in items:
+                    if all(s.finished for s in it.samples):
+                        continue
+                    for s in it.samples:
+                        s.generator = None  # re-seeded: the failed attempt may have drawn from it
+                    updated += self._prefill([it])
+                return updated
+            item = items[0]
+            return self._fail_requests([s for s in item.samples if not s.finished], exc,
+                                       f"the prefill of its {len(item.ids)} prompt tokens")
+        updated, cache, L, placements, samples, tokens, lps, tops = done
+        if not samples:
+            return updated
+        # place KV right-aligned into free slots
+        slots = self._place_rows(cache, [(len(items[i].ids), i, go) for i, go in placements], L, tokens)
+        updated += self._append_tokens(samples, tokens, lps, tops, slots)
+        return updated
+
+    def _prefill_compute(self, items: list[_Item]) -> tuple:
+        """The part of :meth:`_prefill` that leaves the batch untouched: the forward pass, prompt
+        logprobs, the first token of each sample. Per-sample failures (non-finite logits, a seed
+        the generator refuses, an error in sampling) end those samples alone."""
         torch = self.torch
         P = len(items)
         L = max(len(it.ids) for it in items)
@@ -509,33 +550,38 @@ class Engine(KVCacheSlots, EngineWeights, EngineOutputs):
                 i, go = placements[k]
                 updated += self._fail_nonfinite(go, f"the prefill of its {len(items[i].ids)} prompt tokens")
             placements = [pl for k, pl in enumerate(placements) if k not in bad_items]
+        # the j-th of n seeded samples uses seed + j (else all n would be equal); a seed the
+        # generator refuses fails its request alone
+        seed_failed: set[int] = set()
+        for _, go in placements:
+            for j, s in enumerate(go):
+                if s.params.sampling_seed is not None and s.generator is None:
+                    try:
+                        s.generator = torch.Generator().manual_seed(int(s.params.sampling_seed) + j)
+                    except Exception as exc:
+                        updated += self._fail_requests([s], exc, "seeding its sampling generator")
+                        seed_failed.add(id(s))
+        if seed_failed:
+            placements = [(i, [s for s in go if id(s) not in seed_failed]) for i, go in placements]
+            placements = [(i, go) for i, go in placements if go]
         if not placements:
-            return updated
+            return updated, cache, L, [], [], [], [], []
         # sample the first new token of every placed sample from its item's last logits
         row_items = [i for i, go in placements for _ in go]
         samples = [s for _, go in placements for s in go]
         logits = last[torch.tensor(row_items)].clone()
         for _, go in placements:
-            for j, s in enumerate(go):  # the j-th of n seeded samples uses seed + j (else all n would be equal)
-                if s.params.sampling_seed is not None and s.generator is None:
-                    s.generator = torch.Generator().manual_seed(int(s.params.sampling_seed) + j)
-        for _, go in placements:
             for j, s in enumerate(go):
                 if j > 0 and not s.output_ids:
                     s.cached_tokens = len(s.prompt_ids)  # shared prefill of the n samples
         tokens, lps, tops, failed = self._sample(logits, samples)
-        if failed:  # their distributions were invalid: they failed (500); place the others only
+        if failed:  # their distributions were invalid or sampling raised: they failed (500); place the others only
             updated += failed
             gone = {id(s) for s in failed}
             placements = [(i, [s for s in go if id(s) not in gone]) for i, go in placements]
             placements = [(i, go) for i, go in placements if go]
             samples = [s for _, go in placements for s in go]
-            if not samples:
-                return updated
-        # place KV right-aligned into free slots
-        slots = self._place_rows(cache, [(len(items[i].ids), i, go) for i, go in placements], L, tokens)
-        updated += self._append_tokens(samples, tokens, lps, tops, slots)
-        return updated
+        return updated, cache, L, placements, samples, tokens, lps, tops
 
     # -- decode -------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 One job: a sample's output bookkeeping. :class:`EngineOutputs` is a mixin of
 :class:`rollout_server.engine.Engine`: it samples next tokens (a row whose logits or sampling
-distribution are not finite fails alone with a 500 naming it), appends tokens, logprobs and
+distribution are not finite fails alone with a 500 naming it, and so does a row whose own
+parameters make sampling or its stop rules raise), appends tokens, logprobs and
 the weight version that produced them, applies the stop-token, stop-string, ``max_new_tokens``
 and context-length rules, finishes samples, and computes prompt logprobs.
 """
@@ -77,7 +78,38 @@ class EngineOutputs:
                 keep = [k for k in range(len(samples)) if k not in bad]
                 samples = [samples[k] for k in keep]
                 logits = logits[torch.tensor(keep, dtype=torch.long)] if keep else logits[:0]
+            except Exception as exc:  # a request's own parameters made sampling raise: find it, fail it alone
+                if len(samples) == 1:
+                    failed += self._fail_requests(samples, exc, "sampling its next token")
+                    return [], [], [], failed
+                return self._sample_rows(logits, samples, failed)
         return [], [], [], failed
+
+    def _sample_rows(self, logits, samples: list[EngineSample], failed: list[EngineSample]):
+        """:meth:`_sample` one row at a time (after a batched call raised): the rows that raise
+        on their own fail alone, the others get their tokens."""
+        tokens: list[int] = []
+        lps: list[float] = []
+        tops: list[Any] = []
+        for k, s in enumerate(samples):
+            t, lp, top, bad = self._sample(logits[k : k + 1], [s])
+            failed += bad
+            tokens += t
+            lps += lp
+            tops += top
+        return tokens, lps, tops, failed
+
+    def _fail_requests(self, samples: list[EngineSample], exc: BaseException, where: str) -> list[EngineSample]:
+        """End ``samples`` with a 500 naming them and ``exc``: their own data made the engine raise in ``where``."""
+        for s in samples:
+            message = (
+                f"engine error: request {s.rid} failed in {where}: {type(exc).__name__}: {exc} (prompt "
+                f"{len(s.prompt_ids)} tokens, output {len(s.output_ids)} tokens); only this request failed"
+            )
+            log.error(message, exc_info=(type(exc), exc, exc.__traceback__))
+            self._finish(s, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"})
+        self.stats["request_errors_total"] += len(samples)
+        return list(samples)
 
     def _nonfinite_rows(self, logits) -> list[int]:
         """Indices of the rows of ``logits`` ``(R, V)`` that hold a NaN or an infinity."""
@@ -108,7 +140,6 @@ class EngineOutputs:
         version = self.weight_version
         finished_any = False
         for s, tok, lp, top, slot in zip(samples, tokens, lps, tops, slots):
-            p = s.params
             if not s.version_starts or s.version_starts[-1][0] != version:
                 s.version_starts.append((version, len(s.output_ids)))
             s.output_ids.append(tok)
@@ -117,17 +148,13 @@ class EngineOutputs:
                 s.output_top_logprobs.append(top)
             if s.first_token_time is None:
                 s.first_token_time = now
-            reason = None
-            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
-                reason = {"type": "stop", "matched": tok}
-            elif p.stop and self.tokenizer is not None:
-                matched = self._match_stop_string(s)
-                if matched is not None:
-                    reason = {"type": "stop", "matched": matched}
-            if reason is None and len(s.output_ids) >= p.max_new_tokens:
-                reason = {"type": "length", "length": p.max_new_tokens}
-            if reason is None and len(s.prompt_ids) + len(s.output_ids) >= self.context_len:
-                reason = {"type": "length", "length": len(s.output_ids)}
+            try:
+                reason = self._finish_rule(s, tok)
+            except Exception as exc:  # e.g. a stop string the tokenizer cannot handle: this request only
+                self._fail_requests([s], exc, "checking its stop conditions")
+                self._rows[slot] = None
+                finished_any = True
+                continue
             if reason is not None:
                 self._finish(s, reason)
                 self._rows[slot] = None
@@ -137,6 +164,21 @@ class EngineOutputs:
         if finished_any:
             self._maybe_compact()
         return list(samples)
+
+    def _finish_rule(self, s: EngineSample, tok: int) -> dict | None:
+        """The finish reason of ``s`` after appending ``tok`` (stop token, stop string, length), or None."""
+        p = s.params
+        if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+            return {"type": "stop", "matched": tok}
+        if p.stop and self.tokenizer is not None:
+            matched = self._match_stop_string(s)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if len(s.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if len(s.prompt_ids) + len(s.output_ids) >= self.context_len:
+            return {"type": "length", "length": len(s.output_ids)}
+        return None
 
     def _match_stop_string(self, s: EngineSample) -> str | None:
         """Decode the tail of the output and look for a stop string that ends in the new text."""
