@@ -5,8 +5,8 @@ one batch per step, in its own thread (torch releases the GIL inside kernels, so
 event loop keeps serving while a step runs). The HTTP layer talks to it only through
 thread-safe calls (:meth:`Engine.submit`, :meth:`Engine.abort`, :meth:`Engine.call`) and gets
 progress back through the ``on_update`` callback, once per engine iteration. This module is the
-scheduler (admission, prefill, decode steps, pause/abort/retract); the KV cache, weight updates
-and per-sample output are mixins of :class:`Engine` in their own modules.
+scheduler (decode steps, pause/abort/retract); admission and prefill, the KV cache, weight
+updates and per-sample output are mixins of :class:`Engine` in their own modules.
 
 KV cache layout: :mod:`rollout_server.kv_cache` (one left-padded buffer per layer; a request
 that arrives while a batch runs is prefilled on its own, then copied right-aligned into free
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from rollout_server.engine_outputs import EngineOutputs, eos_ids
+from rollout_server.engine_prefill import EnginePrefill
 from rollout_server.engine_weights import DEFERRED, EngineWeights
 from rollout_server.kv_cache import KVCacheSlots
 from rollout_server.sampling import RequestError, SamplingParams
@@ -122,7 +123,7 @@ class _Item:
     samples: list[EngineSample]
 
 
-class Engine(KVCacheSlots, EngineWeights, EngineOutputs):
+class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
@@ -439,149 +440,6 @@ class Engine(KVCacheSlots, EngineWeights, EngineOutputs):
             fut.set_exception(RuntimeError(message))
         self._pending_updates.clear()
         self._publish(updated)
-
-    # -- admission (prefill) --------------------------------------------------------------------
-
-    def _admit(self) -> list[EngineSample]:
-        if not self._waiting or self._pending_updates:
-            return []
-        free = self.max_batch_size - sum(1 for r in self._rows if r is not None)
-        items: list[_Item] = []
-        budget = self.max_prefill_tokens
-        while self._waiting and free > 0:
-            item = self._waiting[0]
-            need = sum(1 for s in item.samples if s.params.max_new_tokens > 0)
-            if need > free or (items and len(item.ids) > budget):
-                break
-            self._waiting.popleft()
-            items.append(item)
-            free -= need
-            budget -= len(item.ids)
-        if not items:
-            return []
-        return self._prefill(items)
-
-    def _prefill(self, items: list[_Item]) -> list[EngineSample]:
-        """Prefill ``items`` together, sample each sample's first token and place the rows.
-
-        Nothing in the batch changes before placement, so when the prefill or the first sampling
-        raises, the items are prefilled again one by one and an item that raises on its own fails
-        alone (500 naming the request); the others are placed as usual.
-        """
-        try:
-            done = self._prefill_compute(items)
-        except Exception as exc:  # one request's input that slipped past validation must not fail the others
-            if len(items) > 1:
-                log.warning("a batched prefill of %d prompts failed (%s: %s); prefilling them one by one",
-                            len(items), type(exc).__name__, exc)
-                updated: list[EngineSample] = []
-                for it in items:
-                    if all(s.finished for s in it.samples):
-                        continue
-                    for s in it.samples:
-                        s.generator = None  # re-seeded: the failed attempt may have drawn from it
-                    updated += self._prefill([it])
-                return updated
-            item = items[0]
-            return self._fail_requests([s for s in item.samples if not s.finished], exc,
-                                       f"the prefill of its {len(item.ids)} prompt tokens")
-        updated, cache, L, placements, samples, tokens, lps, tops = done
-        if not samples:
-            return updated
-        # place KV right-aligned into free slots
-        slots = self._place_rows(cache, [(len(items[i].ids), i, go) for i, go in placements], L, tokens)
-        updated += self._append_tokens(samples, tokens, lps, tops, slots)
-        return updated
-
-    def _prefill_compute(self, items: list[_Item]) -> tuple:
-        """The part of :meth:`_prefill` that leaves the batch untouched: the forward pass, prompt
-        logprobs, the first token of each sample. Per-sample failures (non-finite logits, a seed
-        the generator refuses, an error in sampling) end those samples alone."""
-        torch = self.torch
-        P = len(items)
-        L = max(len(it.ids) for it in items)
-        ids = torch.zeros(P, L, dtype=torch.long)
-        pad_mask = torch.zeros(P, L, dtype=torch.bool)
-        pos = torch.zeros(P, L, dtype=torch.long)
-        for i, it in enumerate(items):
-            n = len(it.ids)
-            ids[i, L - n :] = torch.tensor(it.ids, dtype=torch.long)
-            pad_mask[i, L - n :] = True
-            pos[i, L - n :] = torch.arange(n)
-        causal = torch.ones(L, L, dtype=torch.bool).tril()
-        mask4 = (causal[None] & pad_mask[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
-        want_prompt_lp = any(s.logprob_start_len >= 0 and s.return_logprob for it in items for s in it.samples)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask4[:, None],
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if want_prompt_lp else 1,
-        )
-        logits_all = out.logits.float()
-        last = logits_all[:, -1, :]  # (P, V)
-        self.stats["prompt_tokens_total"] += sum(len(it.ids) for it in items)
-        updated: list[EngineSample] = []
-        # prompt logprobs (only for requests asking logprob_start_len >= 0)
-        if want_prompt_lp:
-            self._prompt_logprobs(items, logits_all, L)
-        # finished-at-prefill samples (max_new_tokens == 0) and rows to place
-        placements: list[tuple[int, list[EngineSample]]] = []
-        for i, it in enumerate(items):
-            go = []
-            for s in it.samples:
-                if s.finished:
-                    continue
-                if s.params.max_new_tokens <= len(s.output_ids):
-                    self._finish(s, {"type": "length", "length": s.params.max_new_tokens})
-                    updated.append(s)
-                else:
-                    go.append(s)
-            if go:
-                placements.append((i, go))
-        # a prompt whose logits are not finite fails on its own (500), the others are placed
-        bad_items = set(self._nonfinite_rows(last[torch.tensor([i for i, _ in placements], dtype=torch.long)]))
-        if bad_items:
-            for k in sorted(bad_items):
-                i, go = placements[k]
-                updated += self._fail_nonfinite(go, f"the prefill of its {len(items[i].ids)} prompt tokens")
-            placements = [pl for k, pl in enumerate(placements) if k not in bad_items]
-        # the j-th of n seeded samples uses seed + j (else all n would be equal); a seed the
-        # generator refuses fails its request alone
-        seed_failed: set[int] = set()
-        for _, go in placements:
-            for j, s in enumerate(go):
-                if s.params.sampling_seed is not None and s.generator is None:
-                    try:
-                        s.generator = torch.Generator().manual_seed(int(s.params.sampling_seed) + j)
-                    except Exception as exc:
-                        updated += self._fail_requests([s], exc, "seeding its sampling generator")
-                        seed_failed.add(id(s))
-        if seed_failed:
-            placements = [(i, [s for s in go if id(s) not in seed_failed]) for i, go in placements]
-            placements = [(i, go) for i, go in placements if go]
-        if not placements:
-            return updated, cache, L, [], [], [], [], []
-        # sample the first new token of every placed sample from its item's last logits
-        row_items = [i for i, go in placements for _ in go]
-        samples = [s for _, go in placements for s in go]
-        logits = last[torch.tensor(row_items)].clone()
-        for _, go in placements:
-            for j, s in enumerate(go):
-                if j > 0 and not s.output_ids:
-                    s.cached_tokens = len(s.prompt_ids)  # shared prefill of the n samples
-        tokens, lps, tops, failed = self._sample(logits, samples)
-        if failed:  # their distributions were invalid or sampling raised: they failed (500); place the others only
-            updated += failed
-            gone = {id(s) for s in failed}
-            placements = [(i, [s for s in go if id(s) not in gone]) for i, go in placements]
-            placements = [(i, go) for i, go in placements if go]
-            samples = [s for _, go in placements for s in go]
-        return updated, cache, L, placements, samples, tokens, lps, tops
 
     # -- decode -------------------------------------------------------------------------------
 
