@@ -125,6 +125,7 @@ import json
 import math
 import random
 import sys
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -247,7 +248,7 @@ DEEPSPEED_SUSTAINED_MFU = 0.54
 # Component models
 
 
-class LengthModel:
+class LengthModel(ABC):
     """Response lengths (tokens) of the n samples of a prompt group.
 
     ``lengths(rng, feed_index, version, n)`` draws them when the group is admitted (``version``
@@ -257,25 +258,29 @@ class LengthModel:
 
     resample_on_restart = True
 
+    @abstractmethod
     def lengths(self, rng: random.Random, feed_index: int, version: int, n: int) -> list[int]:
         """``n`` lengths for the group fed at ``feed_index``, admitted at policy ``version``."""
-        return [self.one(rng, version) for _ in range(n)]
-
-    def one(self, rng: random.Random, version: int) -> int:
-        """One length (tokens) for a sample generated at policy ``version``.
-
-        Raises:
-            NotImplementedError: a subclass overrides neither this nor :meth:`lengths`.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must override one() or lengths()")
 
     def describe(self) -> str:
         """One line for the tables."""
         return type(self).__name__
 
 
+class PerSampleLength(LengthModel):
+    """A length model whose samples are independent draws: subclasses give :meth:`one`."""
+
+    def lengths(self, rng: random.Random, feed_index: int, version: int, n: int) -> list[int]:
+        """``n`` independent draws of :meth:`one`."""
+        return [self.one(rng, version) for _ in range(n)]
+
+    @abstractmethod
+    def one(self, rng: random.Random, version: int) -> int:
+        """One length (tokens) for a sample generated at policy ``version``."""
+
+
 @dataclass
-class FixedLength(LengthModel):
+class FixedLength(PerSampleLength):
     """Every response has ``n`` tokens."""
 
     n: int
@@ -290,7 +295,7 @@ class FixedLength(LengthModel):
 
 
 @dataclass
-class UniformLength(LengthModel):
+class UniformLength(PerSampleLength):
     """Uniform integer in [lo, hi]."""
 
     lo: int
@@ -306,7 +311,7 @@ class UniformLength(LengthModel):
 
 
 @dataclass
-class LogNormalLength(LengthModel):
+class LogNormalLength(PerSampleLength):
     """Log-normal with the given median and sigma (of the log), rounded, clipped to [lo, cap]."""
 
     median: float
@@ -324,7 +329,7 @@ class LogNormalLength(LengthModel):
 
 
 @dataclass
-class CappedMixtureLength(LengthModel):
+class CappedMixtureLength(PerSampleLength):
     """With probability ``p_cap`` exactly ``cap`` tokens, else ``rest`` (clipped below cap)."""
 
     p_cap: float
@@ -343,7 +348,7 @@ class CappedMixtureLength(LengthModel):
 
 
 @dataclass
-class PhasedLength(LengthModel):
+class PhasedLength(PerSampleLength):
     """``early`` lengths at version <= v0, ``late`` from v1 on, linearly mixed in between.
 
     Stands for a policy whose answers change during training (docs/results.md: long answers
