@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _report import emit  # bench/_report.py (the script's folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 SYNC_FLAGS = ["--partial_percent", "1", "--max_budget", "64", "--max_staleness", "0"]
 
@@ -103,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if sync_modes:
         fastest_sync = min(best[m] for m in sync_modes)
         report["speedup_vs_fastest_sync"] = {m: fastest_sync / s for m, s in best.items()}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.json)
     return 0
 
 

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _report import emit  # bench/_report.py (the script's folder is on sys.path)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,10 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         result["profile_self_seconds"] = {v: profile_step(steps[v], groups, d_model, d_ff, vocab) for v in variants}
     for tr in trainers.values():
         tr.close()
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.json)
     return 0
 
 

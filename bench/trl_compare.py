@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _report import emit  # bench/_report.py (the script's folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot(report, args.plot)
-    print(json.dumps(report, indent=2))
+    emit(report, args.json)
     return 0
 
 
