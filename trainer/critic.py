@@ -128,14 +128,12 @@ class Critic:
 
     # ------------------------------------------------------------------ values and targets
 
-    def _values(self, samples: list[Any], indices: list[int] | None, share_prompts: bool, grad: bool):
+    def _values(self, samples: list[Any], indices: list[int] | None, share_prompts: bool):
         mb = [samples[i] for i in indices] if indices is not None else []
         local = None if indices is None else list(range(len(indices)))
         packed = build_micro_batch([s.prompt_ids for s in mb], [s.response_ids for s in mb], local,
                                    share_prompts=share_prompts)
-        with torch.set_grad_enabled(grad):
-            values = packed_values(self.engine, packed).float()
-        return packed, values
+        return packed, packed_values(self.engine, packed).float()
 
     @torch.no_grad()
     def estimate(self, samples: list[Any], micro_batches: list[list[int] | None], ref_logprobs: dict[int, torch.Tensor],
@@ -161,17 +159,19 @@ class Critic:
         est = CriticEstimate()
         values: dict[int, torch.Tensor] = {}
         for indices in micro_batches:
-            packed, v = self._values(samples, indices, share_prompts, grad=False)
+            packed, v = self._values(samples, indices, share_prompts)
             for local, start, end in packed.token_offsets:
                 values[indices[local]] = v[start:end].clone()
         self.engine.train(was_training)
         beta = self.kl.value
         returns: dict[int, torch.Tensor] = {}
+        denormalized: dict[int, torch.Tensor] = {}
         kl_sum, n_local = 0.0, 0
         for i, predicted in values.items():
             smp = samples[i]
             ref = ref_logprobs.get(i)
             denorm = self.normalizer.denormalize(predicted) if self.normalizer is not None else predicted
+            denormalized[i] = denorm
             rewards = token_rewards(smp.reward, smp.behaviour_logprobs, ref, beta)  # reward already clipped: data.reward_clip
             adv, ret = gae(rewards, denorm, 0.0, g.discount, g.gae_lambda)
             smp.advantages = adv
@@ -184,8 +184,7 @@ class Critic:
         cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0))
         masks = {i: samples[i].loss_mask > 0 for i in values}
         r_all = cat([returns[i][masks[i]] for i in values]).double()
-        v_all = cat([(self.normalizer.denormalize(values[i]) if self.normalizer else values[i])[masks[i]]
-                     for i in values]).double()
+        v_all = cat([denormalized[i][masks[i]] for i in values]).double()
         a_all = cat([samples[i].advantages[masks[i]] for i in values]).double()
         sums = self._all_reduce([float(r_all.numel()), float(r_all.sum()), float(r_all.square().sum()),
                                  float((r_all - v_all).sum()), float((r_all - v_all).square().sum()),
@@ -213,24 +212,24 @@ class Critic:
             "kl_ctl": beta,
             "kl_penalty_per_sample": mean_kl,
         }
-        if ref_logprobs:
+        if self.cfg.trainer.kl_ctl.coef > 0:  # a config fact, the same on every rank (a rank may hold no sample)
             self.kl.update(mean_kl, int(n_samples))
         return est
 
     # ------------------------------------------------------------------ training
 
-    def forward_backward(self, samples: list[Any], indices: list[int] | None, est: CriticEstimate,
-                         weights: torch.Tensor, share_prompts: bool, world_size: int) -> dict[str, float]:
+    def forward_backward(self, packed: Any, indices: list[int] | None, est: CriticEstimate,
+                         weights: torch.Tensor, world_size: int) -> dict[str, float]:
         """The clipped value loss on one micro-batch, backward into the critic's engine.
 
         Args:
-            samples: the batch's prepared samples.
+            packed: the micro-batch as the policy's pass packed it
+                (:class:`trainer.packing.PackedMicroBatch`; the critic reads the same layout).
             indices: the micro-batch's sample indices (None: a padding slot, runs an empty pass
                 so every rank calls the engine alike).
             est: from :meth:`estimate`.
             weights: (T,) token weights of the micro-batch in the packed order (the policy
                 loss's aggregation weights, loss mask included).
-            share_prompts: the policy's layout.
             world_size: data-parallel ranks (the loss is scaled by it, as the policy's).
 
         Returns:
@@ -238,10 +237,9 @@ class Critic:
             ``value_tokens``.
         """
         self.engine.train()
-        packed, values = self._values(samples, indices, share_prompts, grad=True)
+        values = packed_values(self.engine, packed).float()
         if indices is None or not packed.token_offsets:
-            loss = values.sum() * 0.0
-            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.backward(values.sum() * 0.0, scale_wrt_gas=False)
             return {"value_loss": 0.0, "value_clipped_tokens": 0.0, "value_tokens": 0.0}
         order = [indices[local] for local, _, _ in packed.token_offsets]
         old = torch.cat([est.old_values[i] for i in order])

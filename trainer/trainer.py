@@ -428,8 +428,7 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
                     return {"early_stopped": 1.0, "ratio_mean": ratio_sum / tokens}
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             if self.critic is not None:
-                for k, v in self.critic.forward_backward(samples, indices, plan.critic, weight, self.share_prompts,
-                                                         self.world_size).items():
+                for k, v in self.critic.forward_backward(packed, indices, plan.critic, weight, self.world_size).items():
                     critic_sums[k] += v
             for k in _SUM_KEYS:
                 if k in part:
