@@ -3,13 +3,13 @@
 Real processes against the real redis-server of the fixture: the feeder (``python -m
 asyncrl.feeder``), one ``asyncrl rollout-server`` (embedded engine + rollout worker over HTTP)
 and the ``asyncrl trainer`` CLI (DeepSpeed, CPU), all on ``configs/tiny.yaml`` (p < 1, eta 2,
-budget-parked partials, decoupled PPO) with 6 steps. The test freezes the trainer (SIGSTOP) at
+budget-parked partials, decoupled PPO) with 8 steps. The test freezes the trainer (SIGSTOP) at
 a chosen point, checks where it stands, SIGKILLs it and starts a new trainer process:
 
 * **before its first checkpoint** (issue found by engineer F): the dead trainer acknowledged
   steps and moved the clock, and there is no checkpoint. The new trainer rewinds the buffer to
   step 0, version 0 (a new lineage), deletes the abandoned weight versions and trains steps
-  1..6 again on the replayed groups. (Before the fix it never rewound and its first
+  1..8 again on the replayed groups. (Before the fix it never rewound and its first
   acknowledgement failed with ``InvalidTransition: step 1 is not after the last acknowledged
   step N``: a crash loop.)
 * **after a checkpoint** (issue 5, third acceptance test): killed at a step past its last
@@ -17,7 +17,7 @@ a chosen point, checks where it stands, SIGKILLs it and starts a new trainer pro
 
 Reconciliation afterwards, from the buffer alone: every group id fed (``p<cursor>``) is exactly
 one of trained-and-committed (deleted), dropped with a reason, or still live and untrained;
-committed groups = 6 steps x B (so no group was trained twice in the surviving lineage: a
+committed groups = 8 steps x B (so no group was trained twice in the surviving lineage: a
 group is deleted once); acknowledged groups = those of the surviving lineage + those of the
 abandoned steps; one rewind, lineage 1; the feeder neither skipped nor repeated a prompt; the
 trainer's step records show exactly one restart, at step c + 1.
@@ -40,7 +40,7 @@ from asyncrl.config import dump_config, load_config
 
 
 REPO = Path(__file__).resolve().parent.parent
-TOTAL = 6
+TOTAL = 8  # checkpoints every 3 steps: versions 4, 5 and 7 stand past a checkpoint
 B = 3  # ceil(0.75 * 4) in configs/tiny.yaml
 
 
@@ -205,11 +205,13 @@ def test_no_checkpoint_means_version_0_and_abandoned_versions_are_deleted(tmp_pa
 @pytest.mark.parametrize("case", ["before_first_checkpoint", "after_checkpoint"])
 def test_trainer_killed_and_restarted_continues_and_the_books_balance(case, tmp_path, tiny_model_dir, redis_url):
     checkpointed = case == "after_checkpoint"
-    run = Run(tmp_path, tiny_model_dir, redis_url, checkpoint_interval=2 if checkpointed else 100)
+    # interval 3: two of every three versions stand past the last checkpoint, so a trainer that
+    # steps fast is still caught between two checkpoints (with interval 2 it was missed once)
+    run = Run(tmp_path, tiny_model_dir, redis_url, checkpoint_interval=3 if checkpointed else 100)
     run.start_all()
     try:
         first = run.procs["trainer-1"]
-        clock, acked, ckpt = _freeze_past(run, first, min_version=3 if checkpointed else 2, checkpointed=checkpointed)
+        clock, acked, ckpt = _freeze_past(run, first, min_version=4 if checkpointed else 2, checkpointed=checkpointed)
         assert acked >= clock > ckpt and acked < TOTAL
         first.send_signal(signal.SIGKILL)
         first.wait(30)
