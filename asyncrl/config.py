@@ -34,6 +34,7 @@ from pydantic import BaseModel, model_validator
 # The sections (and the B = ⌈p·R⌉ formula) live in asyncrl/config_sections.py; every name stays
 # importable from here (``from asyncrl.config import DataConfig``), as code and tests do.
 from asyncrl.config_sections import (  # noqa: F401  (re-exported)
+    AgentConfig,
     ArithmeticConfig,
     BufferConfig,
     CriticConfig,
@@ -96,6 +97,8 @@ class AsyncRLConfig(_Section):
     """API key and Redis password."""
     resources: ResourcesConfig = ResourcesConfig()
     """Assignment of cores/GPUs to roles."""
+    agent: AgentConfig = AgentConfig()
+    """Multi-turn workflows (episodes with tools and environment feedback)."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "AsyncRLConfig":
@@ -134,6 +137,11 @@ class AsyncRLConfig(_Section):
             raise ValueError(
                 "trainer.reference.ema_eta is set but no reference model is used: set trainer.loss.kl_coef > 0 "
                 "or trainer.kl_ctl.coef > 0 (with advantage: gae), or drop ema_eta"
+            )
+        if self.agent.workflow is not None and self.trainer.advantage == "gae":
+            raise ValueError(
+                "agent.workflow with trainer.advantage: gae is not supported yet (the critic would value environment "
+                "tokens): use grpo, dr_grpo, rloo or reinforce_pp for episodes"
             )
         if loss.clip_eps_high < loss.clip_eps_low:
             raise ValueError(

@@ -144,6 +144,12 @@ class Sample:
     (``len(response_ids) <= max_response_len``). ``advantages`` is None, a float (whole
     sequence) or a list of T floats, set by custom rollout code. Timestamps are Redis-server
     milliseconds: ``created_ms``, ``updated_ms`` and ``completed_ms`` (0 until complete).
+
+    An **episode** of a multi-turn workflow (docs/agents.md) is one sample too: its response is
+    the whole conversation after the prompt, model calls and environment observations in order;
+    segments ending with ``turn`` close a model call and segments ``obs`` hold environment tokens
+    (loss-masked, outside budget and staleness). ``info`` holds the episode's termination reason
+    and counts (None for single-turn samples).
     """
 
     sample_id: str
@@ -163,6 +169,7 @@ class Sample:
     created_ms: int = 0
     updated_ms: int = 0
     completed_ms: int = 0
+    info: dict[str, Any] | None = None
 
     @property
     def oldest_version(self) -> int | None:

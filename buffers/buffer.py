@@ -283,6 +283,36 @@ class ReplayBuffer(BufferInspection):
         _, status = await self._append(item, ids, logprobs, versions, finish_reason)
         return SampleStatus(status)
 
+    async def append_observation(self, item: WorkItem, ids: Sequence[int], version: int) -> int:
+        """Append an episode's environment tokens as their own ``obs`` segment (docs/agents.md).
+
+        Only at a segment boundary (the current model call ended with ``turn``). The tokens get
+        behaviour logprob 0 and policy version ``version`` (the version of the call before them,
+        <= the clock); they count toward ``max_response_len`` but not toward the budget or staleness.
+
+        Returns:
+            the response length after the append.
+
+        Raises:
+            LeaseLost, BadRequest (empty, an open model call, a version outside [0, clock], past
+            ``max_response_len``), BadOffset, UnknownItem: nothing appended.
+        """
+        if not ids:
+            raise BadRequest(f"an observation of sample {item.sample_id} has no tokens")
+        return (await self._append(item, ids, [0.0] * len(ids), [int(version)] * len(ids), "obs"))[0]
+
+    async def restart_episode(self, item: WorkItem) -> None:
+        """Send a claimed episode back to its pristine prompt (a non-deterministic workflow, docs/agents.md).
+
+        Counted as ``restarted_samples:nondeterministic``; works on a RUNNING sample and on a
+        COMPLETE one being scored.
+
+        Raises:
+            LeaseLost, UnknownItem: nothing changed.
+        """
+        await self._append(item, (), (), (), "restart")
+        item.length_tokens = 0
+
     async def _append(self, item: WorkItem, ids: Any, logprobs: Any, versions: Any, finish: str) -> tuple[int, str]:
         if not (len(ids) == len(logprobs) == len(versions)):
             raise BadRequest(
@@ -302,11 +332,13 @@ class ReplayBuffer(BufferInspection):
         reward: float | None = None,
         error: str | None = None,
         advantages: float | Sequence[float] | None = None,
+        info: dict | None = None,
     ) -> GroupState:
         """Record the reward (or the reward function's ``error``) of a COMPLETE sample.
 
         Exactly one of ``reward`` / ``error``. ``advantages``: optional precomputed scalar or
-        per-token list (length = response length).
+        per-token list (length = response length). ``info``: an episode's termination reason and
+        counts (a JSON object of at most 4096 bytes, docs/agents.md), kept on the sample.
 
         Returns:
             the group's state afterwards (GENERATING, READY or DROPPED with ``reward_error``).
@@ -330,8 +362,16 @@ class ReplayBuffer(BufferInspection):
                     adv = pack_f32(list(advantages))
                 except ValueError as exc:
                     raise BadRequest(str(exc)) from None
+        raw_info = b""
+        if info is not None:
+            try:
+                raw_info = json.dumps(info, sort_keys=True, allow_nan=False).encode()
+            except (TypeError, ValueError) as exc:
+                raise BadRequest(f"episode info must be a JSON object of finite values: {exc}") from None
+            if not isinstance(info, dict) or len(raw_info) > 4096:
+                raise BadRequest(f"episode info must be a JSON object of at most 4096 bytes, got {len(raw_info)} bytes")
         kind, value = ("reward", repr(float(reward))) if reward is not None else ("error", str(error))
-        return await self._scores.submit([item.sample_id, item.claim_token, kind, value, advk, adv])
+        return await self._scores.submit([item.sample_id, item.claim_token, kind, value, advk, adv, raw_info])
 
     async def renew(self, items: Iterable[WorkItem]) -> int:
         """Extend the leases of ``items`` by ``lease_seconds``; returns how many are still held."""

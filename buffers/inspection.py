@@ -18,7 +18,7 @@ from buffers.scripts import _s
 
 __all__ = ["BufferInspection"]
 
-_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort"}
+_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort", 6: "turn", 7: "obs"}
 
 
 class BufferInspection:
@@ -61,6 +61,19 @@ class BufferInspection:
             samples = [self._decode_sample(f"{group_id}/{i}", r) for i, r in enumerate(raws)]
         return group, samples
 
+    async def episode_record(self, sample_id: str) -> tuple[list[float], list[int], list[Segment], str | None]:
+        """What a replay of an episode needs beyond its claimed token ids (docs/agents.md).
+
+        Returns:
+            ``(behaviour_logprobs, versions, segments, finish_reason)`` of the sample, the arrays
+            of shape (R,).
+
+        Raises:
+            UnknownItem, MalformedData.
+        """
+        sample = await self.get_sample(sample_id)
+        return sample.behaviour_logprobs, sample.versions, sample.segments, sample.finish_reason
+
     async def get_sample(self, sample_id: str) -> Sample:
         """One sample, decoded. Raises UnknownItem or MalformedData."""
         raw = await self.redis.hgetall(self.prefix + f"sample:{sample_id}")
@@ -96,6 +109,7 @@ class BufferInspection:
                 num_resumes=int(h.get("resumes", 0)), num_restarts=int(h.get("restarts", 0)),
                 created_ms=int(h.get("created", 0)), updated_ms=int(h.get("updated", 0)),
                 completed_ms=int(h.get("completed", 0)),
+                info=json.loads(h["info"]) if "info" in h else None,
             )
         except (KeyError, ValueError) as exc:
             raise MalformedData(f"sample {sid} record is damaged: {exc!r}") from None

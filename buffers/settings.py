@@ -17,7 +17,8 @@ from buffers.errors import BadRequest
 __all__ = ["BufferSettings", "STALE_POLICIES", "FINISH_REASONS", "settings_fields"]
 
 STALE_POLICIES = ("restart", "drop", "keep")
-FINISH_REASONS = ("stop", "length", "abort", "budget")
+#: segment ends a worker may send with ``end_segment`` (``turn``: a model call of an episode ended)
+FINISH_REASONS = ("stop", "length", "abort", "budget", "turn")
 
 
 @dataclass(frozen=True)

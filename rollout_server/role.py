@@ -115,7 +115,13 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
             idx = i if server_index is None else server_index
             opts_w = WorkerOptions.from_config(cfg, worker_id=f"{base_id}-{idx}",
                                                weights_cache_dir=cfg.run.run_dir / "weights_cache" / f"server{idx}")
-            workers.append(RolloutWorker(buf, client, scorer, tokenizer, opts_w, metrics=metrics))
+            worker = RolloutWorker(buf, client, scorer, tokenizer, opts_w, metrics=metrics)
+            if cfg.agent.workflow:  # episodes of a multi-turn workflow (docs/agents.md)
+                from asyncrl.agents.loader import load_workflow
+                from rollout_server.episodes import EpisodeRunner
+
+                worker.episodes = EpisodeRunner(worker, load_workflow(cfg.agent), cfg.agent, cfg.run.seed)
+            workers.append(worker)
         for w in workers:
             _print(f"worker {w.opts.worker_id} on {w.client.url} (run {cfg.run.name!r}, "
                    f"{w.opts.max_inflight_requests} requests in flight)")

@@ -111,6 +111,8 @@ class RolloutWorker(WorkerWeightSync):
         tokenizer: decodes prompt and response ids into text for the reward function.
         options: :class:`WorkerOptions`.
         metrics: optional :class:`asyncrl.metrics.RolloutMetrics`.
+        episodes: optional :class:`rollout_server.episodes.EpisodeRunner`: each work item is then
+            an episode of a multi-turn workflow (docs/agents.md) instead of one engine call.
 
     Usage::
 
@@ -123,8 +125,9 @@ class RolloutWorker(WorkerWeightSync):
     MAX_ENGINE_FAILURES = 3
 
     def __init__(self, buffer: Any, client: EngineClient, scorer: Any, tokenizer: Any, options: WorkerOptions,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, episodes: Any = None) -> None:
         self.buffer = buffer
+        self.episodes = episodes
         self.client = client
         self.scorer = scorer
         self.tokenizer = tokenizer
@@ -255,7 +258,9 @@ class RolloutWorker(WorkerWeightSync):
 
     async def _process(self, a: _Active) -> None:
         try:
-            if a.item.kind == WorkKind.SCORE:
+            if self.episodes is not None:
+                await self._episode(a)
+            elif a.item.kind == WorkKind.SCORE:
                 await self._score(a.item, a.item.response_ids)
             else:
                 await self.generate(a)
@@ -322,6 +327,8 @@ class RolloutWorker(WorkerWeightSync):
         """
         a = _Active(item)
         self._first_claim.setdefault(item.sample_id, _now())
+        if self.episodes is not None:
+            return await self._episode(a)
         if item.kind == WorkKind.SCORE:
             await self._score(item, item.response_ids)
             return SampleStatus.SCORED
@@ -431,6 +438,18 @@ class RolloutWorker(WorkerWeightSync):
             self._note_parked("shutdown" if self._draining else "weight_update")
         if status == SampleStatus.PENDING:
             self._first_claim.pop(item.sample_id, None)
+        return status
+
+    async def _episode(self, a: _Active) -> SampleStatus | None:
+        """Run (replay, then continue) the episode of a claimed item (rollout_server/episodes.py)."""
+        if self._draining and a.item.kind == WorkKind.GENERATE:  # claimed just before the drain
+            await self.buffer.end_segment(a.item, "abort")
+            self._note_parked("shutdown")
+            return None
+        a.requested = a.item.kind == WorkKind.GENERATE
+        status = await self.episodes.run(a.item)
+        if status in (SampleStatus.SCORED, SampleStatus.FAILED, SampleStatus.PENDING):
+            self._first_claim.pop(a.item.sample_id, None)
         return status
 
     async def _end(self, item: WorkItem, reason: str, ids: list[int], lps: list[float],

@@ -18,7 +18,10 @@ Loss masks (per response token):
 - ``mask_no_eos_with_zero``: samples that did not end with EOS get reward 0 before advantage
   estimation (AReaL ``get_packed_rewards``);
 - ``correction == mask_stale``: tokens whose policy version is older than the weights being
-  trained get mask 0 (slime ``--mask-offpolicy-in-partial-rollout``).
+  trained get mask 0 (slime ``--mask-offpolicy-in-partial-rollout``);
+- episodes of multi-turn workflows: environment tokens get mask 0 (trainer/episodes.py,
+  docs/agents.md); ``agent.representation: stepwise`` then splits each episode into one sample
+  per model call.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from asyncrl.rewards import check_verifier_status
 from trainer.advantages import group_advantages, process_rewards
+from trainer.episodes import apply_grouping_hook, check_stepwise_mode, env_mask, episode_layout, expand_stepwise
 
 __all__ = [
     "BatchError",
@@ -71,6 +75,9 @@ class TrainSample:
         reward: scalar reward, None when scoring failed.
         advantages: optional precomputed advantages: a number or R numbers.
         error: reward/rollout error, None when fine.
+        env_spans: ``[start, end)`` ranges of environment tokens of an episode (loss-masked).
+        call_spans: ``[start, end)`` ranges of an episode's model calls (empty: single-turn).
+        info: an episode's termination and counts (docs/agents.md), None for single-turn.
     """
 
     sample_id: str
@@ -84,6 +91,9 @@ class TrainSample:
     reward: float | None = None
     advantages: float | list[float] | None = None
     error: str | None = None
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    call_spans: list[tuple[int, int]] = field(default_factory=list)
+    info: dict[str, Any] | None = None
 
     @property
     def eos(self) -> bool:
@@ -108,18 +118,23 @@ class TrainSample:
     @classmethod
     def from_record(cls, record: Any, group_id: str, prompt_ids: Sequence[int]) -> "TrainSample":
         """Build from a buffer sample (object or dict with the buffer's field names)."""
+        response = [int(x) for x in _get(record, "response_ids", [])]
+        env_spans, call_spans = episode_layout(_get(record, "segments", None) or [], len(response))
         return cls(
             sample_id=str(_get(record, "sample_id")),
             group_id=str(group_id),
             index=int(_get(record, "index", 0)),
             prompt_ids=list(prompt_ids),
-            response_ids=[int(x) for x in _get(record, "response_ids", [])],
+            response_ids=response,
             behaviour_logprobs=[float(x) for x in _get(record, "behaviour_logprobs", [])],
             versions=[int(x) for x in _get(record, "versions", [])],
             finish_reason=str(getattr(reason, "value", reason)) if (reason := _get(record, "finish_reason")) else "stop",
             reward=_get(record, "reward"),
             advantages=_get(record, "advantages"),
             error=_get(record, "error"),
+            env_spans=env_spans,
+            call_spans=call_spans,
+            info=_get(record, "info"),
         )
 
 
@@ -179,6 +194,7 @@ class PreparedSample:
     loss_mask: torch.Tensor
     versions: torch.Tensor
     reward: float
+    call_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -213,6 +229,34 @@ def _normalize_advantages(prepared: list[PreparedSample], eps: float = 1e-5) -> 
 def _staleness_histogram(staleness: list[int]) -> dict[str, float]:
     counts = Counter(min(s, 8) for s in staleness)
     return {f"staleness_tokens_{k if k < 8 else '8plus'}": float(counts.get(k, 0)) for k in range(9) if k in counts}
+
+
+def _load_hook(spec: str) -> Any:
+    from asyncrl.agents.loader import load_callable
+
+    if spec not in _HOOKS:
+        _HOOKS[spec] = load_callable(spec, "agent.trajectory_grouping_hook")
+    return _HOOKS[spec]
+
+
+_HOOKS: dict[str, Any] = {}
+
+
+def _episode_stats(episodes: list[dict], n_train_samples: int) -> dict[str, float]:
+    """Means of the episodes' turns, tool calls and replayed calls, and their termination shares."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out = {
+        "episodes": float(n),
+        "episode_turns_mean": sum(float(e.get("turns", 0)) for e in episodes) / n,
+        "episode_tool_calls_mean": sum(float(e.get("tool_calls", 0)) for e in episodes) / n,
+        "episode_replayed_calls": float(sum(float(e.get("replayed_calls", 0)) for e in episodes)),
+        "train_samples": float(n_train_samples),
+    }
+    for term in ("env_done", "turn_limit", "token_limit", "timeout", "error"):
+        out[f"episode_{term}_fraction"] = sum(1.0 for e in episodes if e.get("termination") == term) / n
+    return out
 
 
 def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> TrainBatch:
@@ -258,6 +302,9 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
         kept.append(TrainGroup(group.group_id, group.prompt_ids, good, group.metadata))
     if not kept:
         raise BatchError("no trainable group in the batch (every sample failed or groups too small)")
+    agent = getattr(cfg, "agent", None)
+    if agent is not None and agent.trajectory_grouping_hook:
+        kept = apply_grouping_hook(_load_hook(agent.trajectory_grouping_hook), kept)
     if dcfg.check_verifier_status:
         check_verifier_status([float(s.reward) for g in kept for s in g.samples if s.reward is not None])
 
@@ -284,18 +331,24 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
     for g, rew, advs in zip(kept, rewards, advantages):
         for s, r, a in zip(g.samples, rew.tolist(), advs):
             versions = torch.tensor(s.versions, dtype=torch.long)
-            mask = torch.ones(len(s.response_ids))
+            model_tokens = env_mask(len(s.response_ids), s.env_spans)  # episodes: environment tokens untrained
+            mask = model_tokens.clone()
             if loss_cfg.mask_too_long and s.finish_reason == "length":
                 mask.zero_()
             if loss_cfg.correction == "mask_stale":
                 mask = mask * (versions >= policy_version).float()
-            staleness += (policy_version - versions).clamp(min=0).tolist()
+            staleness += (policy_version - versions[model_tokens > 0]).clamp(min=0).tolist()
             prepared.append(PreparedSample(
                 s.sample_id, g.group_id, list(g.prompt_ids), list(s.response_ids),
                 torch.tensor(s.behaviour_logprobs, dtype=torch.float32), a, mask, versions, float(r),
+                list(s.call_spans),
             ))
     if tcfg.adv_norm and tcfg.advantage != "gae":  # gae: normalised by the critic, after GAE
         _normalize_advantages(prepared)
+    n_trajectories = len(prepared)
+    episodes = [s.info for g in kept for s in g.samples if s.info is not None]
+    if agent is not None and agent.representation == "stepwise":
+        prepared = expand_stepwise(prepared, check_stepwise_mode(agent.stepwise_mode))
     all_adv = torch.cat([p.advantages for p in prepared]) if prepared else torch.zeros(0)
     all_rew = torch.tensor([p.reward for p in prepared])
     stats = {
@@ -312,7 +365,8 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
         "loss_tokens": float(sum(p.num_loss_tokens for p in prepared)),
         "staleness_max": float(max(staleness)) if staleness else 0.0,
         "staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
-        "truncated_fraction": sum(1.0 for g in kept for s in g.samples if not s.eos) / len(prepared),
+        "truncated_fraction": sum(1.0 for g in kept for s in g.samples if not s.eos) / n_trajectories,
         **_staleness_histogram(staleness),
+        **_episode_stats(episodes, len(prepared)),
     }
     return TrainBatch(prepared, [g.group_id for g in kept], stats)

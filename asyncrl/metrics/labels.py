@@ -49,6 +49,12 @@ TRAINER_PHASES: tuple[str, ...] = ("wait_batch", "forward_backward", "optim_step
 WEIGHT_TRANSPORTS: tuple[str, ...] = ("disk", "http", "nccl")
 #: Result of an operation that can fail.
 RESULTS: tuple[str, ...] = ("ok", "error")
+#: Why an episode of a multi-turn workflow ended (asyncrl.agents.TERMINATIONS).
+TERMINATIONS: tuple[str, ...] = ("env_done", "turn_limit", "token_limit", "timeout", "error")
+#: Why an episode was restarted from its prompt.
+EPISODE_RESTART_REASONS: tuple[str, ...] = ("nondeterministic",)
+#: Buckets of turns / tool calls per episode.
+EPISODE_COUNT_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 #: SGLang engine metric names (``python/sglang/srt/metrics/collector.py``) that dashboards may
 #: query; the embedded torch engine exports the same names (with the ``model_name`` label) so

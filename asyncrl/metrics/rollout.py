@@ -10,8 +10,11 @@ from asyncrl.metrics.labels import (
     PARK_REASONS,
     REQUEST_DURATION_BUCKETS_SECONDS,
     RESPONSE_LENGTH_BUCKETS_TOKENS,
+    EPISODE_COUNT_BUCKETS,
+    EPISODE_RESTART_REASONS,
     RESULTS,
     REWARD_BUCKETS,
+    TERMINATIONS,
     ROLLOUT_DURATION_BUCKETS_SECONDS,
     SCORE_OUTCOMES,
     WEIGHT_SYNC_BUCKETS_SECONDS,
@@ -108,7 +111,27 @@ class RolloutMetrics:
             buckets=WEIGHT_SYNC_BUCKETS_SECONDS,
             registry=r,
         )
+        self.episodes = Counter(
+            "asyncrl_rollout_episodes", "Episodes of a multi-turn workflow finished, by termination reason.",
+            ["termination"], registry=r,
+        )
+        self.episode_turns = Histogram(
+            "asyncrl_rollout_episode_turns", "Model calls per finished episode.", buckets=EPISODE_COUNT_BUCKETS, registry=r,
+        )
+        self.episode_tool_calls = Histogram(
+            "asyncrl_rollout_episode_tool_calls", "Tool calls per finished episode.", buckets=EPISODE_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.episode_replayed_calls = Counter(
+            "asyncrl_rollout_episode_replayed_calls",
+            "Model calls of resumed episodes answered from the buffer's record instead of the engine.", registry=r,
+        )
+        self.episode_restarts = Counter(
+            "asyncrl_rollout_episode_restarts", "Episodes restarted from their prompt, by reason.", ["reason"], registry=r,
+        )
         self.idle = IdleTracker(r, "rollout", "rollout worker: no engine request in flight")
+        _zero(self.episodes, TERMINATIONS)
+        _zero(self.episode_restarts, EPISODE_RESTART_REASONS)
         _zero(self.requests, FINISH_REASONS)
         _zero(self.partial_parked, PARK_REASONS)
         _zero(self.samples_scored, SCORE_OUTCOMES)
@@ -165,3 +188,21 @@ class RolloutMetrics:
         self.policy_version.set(version)
         if lag_seconds is not None:
             self.weight_sync_lag.observe(max(0.0, lag_seconds))
+
+    def episode_finished(self, termination: str, turns: int, tool_calls: int) -> None:
+        """Record a finished episode: its termination (:data:`TERMINATIONS`), model calls and tool calls."""
+        self.episodes.labels(_check(termination, TERMINATIONS, "termination")).inc()
+        _check_nonneg(turns, "turns")
+        _check_nonneg(tool_calls, "tool_calls")
+        self.episode_turns.observe(turns)
+        self.episode_tool_calls.observe(tool_calls)
+
+    def replayed_calls(self, n: int) -> None:
+        """Record ``n`` model calls answered from the record by a replay."""
+        _check_nonneg(n, "replayed calls")
+        if n:
+            self.episode_replayed_calls.inc(n)
+
+    def episode_restarted(self, reason: str) -> None:
+        """Record an episode restarted from its prompt for ``reason`` (:data:`EPISODE_RESTART_REASONS`)."""
+        self.episode_restarts.labels(_check(reason, EPISODE_RESTART_REASONS, "restart reason")).inc()

@@ -3,6 +3,12 @@
 -- each is validated before it writes and gets its own result or error.
 -- Per item, 7 args: sid, claim token, offset (tokens), ids, logprobs, versions (packed
 -- little-endian int32/float32/int32), finish reason ('' = the segment continues).
+-- Episodes (multi-turn workflows, docs/agents.md) use three more finish reasons: 'turn' ends a
+-- model call (the segment closes with code turn, the sample stays running under its lease);
+-- 'obs' appends environment tokens as their own segment (code obs; they are not model tokens:
+-- no budget, no staleness; only allowed at a segment boundary); 'restart' sends the sample back
+-- to its pristine prompt (counted restarted_samples:nondeterministic; a complete unscored sample
+-- may be restarted too).
 -- Result per item: an integer length * 8 + status code (0 running, 1 complete, 2 partial,
 -- 3 pending), or the error string '<CODE> <message>' (compact replies parse fast in the client).
 local function fail(code, msg) return code .. ' ' .. msg end
@@ -14,6 +20,10 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'ids', 'lps', 'vers', 'bver', 'bused', 'minv', 'maxv', 'seg_start', 'segs')
   if not f[1] then return fail('UNKNOWN', 'sample ' .. sid .. ' does not exist (committed, dropped or drained)') end
+  if finish == 'restart' and f[2] == token and (f[1] == 'running' or f[1] == 'complete') then
+    reset_sample(sid, 'nondeterministic')
+    return ok(0, 'pending')
+  end
   if f[2] ~= token or f[1] ~= 'running' then
     return fail('LEASE_LOST', 'claim ' .. token .. ' on sample ' .. sid .. ' is no longer valid (status ' .. f[1] .. '): the lease was reclaimed or revoked; drop this request')
   end
@@ -24,8 +34,8 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   if #cids % 4 ~= 0 or #clps ~= #cids or #cvers ~= #cids then
     return fail('BAD_REQUEST', 'chunk arrays must be packed int32/float32 of equal length')
   end
-  if finish ~= '' and not FINISH_CODE[finish] then
-    return fail('BAD_REQUEST', 'finish reason must be stop, length, abort or budget, got ' .. finish)
+  if finish ~= '' and (not FINISH_CODE[finish] or finish == 'lease') then
+    return fail('BAD_REQUEST', 'finish reason must be stop, length, abort, budget, turn, obs or restart, got ' .. finish)
   end
   local cur = #f[3] / 4
   local nnew = #cids / 4
@@ -43,6 +53,24 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   end
   local bver, bused = tonumber(f[6]), tonumber(f[7])
   local minv, maxv = tonumber(f[8]), tonumber(f[9])
+  local seg_start = tonumber(f[10])
+  if finish == 'obs' then
+    -- environment tokens: validated, written as their own segment, outside budget and staleness
+    if nnew == 0 then return fail('BAD_REQUEST', 'an observation of sample ' .. sid .. ' has no tokens') end
+    if seg_start ~= cur then
+      return fail('BAD_REQUEST', 'sample ' .. sid .. ' has model tokens since offset ' .. seg_start .. ' in an open call: end the call (turn) before an observation')
+    end
+    for j = 0, nnew - 1 do
+      local tv = struct.unpack('<i4', cvers, 4 * j + 1)
+      if tv < 0 or tv > v then return fail('BAD_REQUEST', 'observation token version ' .. tv .. ' outside [0, clock ' .. v .. ']') end
+    end
+    local len = cur + nnew
+    redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers, 'seg_start', len, 'updated', NOW)
+    close_segment(sk, f[11], cur, len, FINISH_CODE.obs)
+    redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
+    stat('observation_tokens', nnew)
+    return ok(len, 'running')
+  end
   for j = 0, nnew - 1 do
     local tv = struct.unpack('<i4', cvers, 4 * j + 1)
     if tv > v then
@@ -65,7 +93,6 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
     return ok(len, 'running')
   end
-  local seg_start = tonumber(f[10])
   if finish == 'stop' or len >= L then
     if finish ~= 'stop' then finish = 'length' end
     close_segment(sk, f[11], seg_start, len, FINISH_CODE[finish])
@@ -73,6 +100,14 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     redis.call('ZADD', k('leases'), NOW + LEASE_MS, sid)
     stat('completed_samples')
     return ok(len, 'complete')
+  end
+  if finish == 'turn' then
+    -- a model call of an episode ended; the episode goes on under the same lease
+    close_segment(sk, f[11], seg_start, len, FINISH_CODE.turn)
+    redis.call('HSET', sk, 'seg_start', len, 'updated', NOW)
+    redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
+    stat('episode_turns')
+    return ok(len, 'running')
   end
   if finish == 'length' or finish == 'budget' or bused >= M then
     close_segment(sk, f[11], seg_start, len, FINISH_CODE.budget)

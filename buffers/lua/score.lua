@@ -2,11 +2,13 @@
 -- sample; a group becomes READY when all its samples are scored or failed (>= min(2, n)
 -- scored), else it is dropped (reward_error). Items are independent and validated before writing.
 -- A failed sample is counted in failed_samples and in failed_samples:<reason> (reward_timeout when
--- the error starts with 'RewardTimeout:', else reward_error).
--- Per item, 6 args: sid, claim token, 'reward'|'error', value, advantages kind ('', 'scalar', 'tokens'), advantages.
+-- the error starts with 'RewardTimeout:', workflow_error when it starts with 'WorkflowError:' (an
+-- episode's workflow raised, docs/agents.md), else reward_error).
+-- Per item, 7 args: sid, claim token, 'reward'|'error', value, advantages kind ('', 'scalar', 'tokens'),
+-- advantages, info (a JSON object of an episode's termination and counts, '' for none; <= 4096 bytes).
 -- Result per item: the group state string, or the error string '!<CODE> <message>'.
 local function fail(code, msg) return '!' .. code .. ' ' .. msg end
-local function one(sid, token, kind, value, advk, adv)
+local function one(sid, token, kind, value, advk, adv, info)
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'gid', 'ids')
   if not f[1] then return fail('UNKNOWN', 'sample ' .. sid .. ' does not exist (committed, dropped or drained)') end
@@ -19,6 +21,7 @@ local function one(sid, token, kind, value, advk, adv)
   if advk == 'tokens' and #adv ~= #(f[4] or '') then
     return fail('BAD_REQUEST', 'per-token advantages must have one value per response token')
   end
+  if #info > 4096 then return fail('BAD_REQUEST', 'episode info of sample ' .. sid .. ' is ' .. #info .. ' bytes > 4096') end
   local gk = gkey(f[3])
   local g = redis.call('HMGET', gk, 'n', 'n_scored', 'n_failed', 'seq')
   if not tonumber(g[1]) or not tonumber(g[2]) or not tonumber(g[3]) or not tonumber(g[4]) then
@@ -35,10 +38,12 @@ local function one(sid, token, kind, value, advk, adv)
     stat('failed_samples')
     -- by reason: a user reward function that timed out (asyncrl.rewards.RewardTimeout) or any other failure
     if string.sub(value, 1, 14) == 'RewardTimeout:' then stat('failed_samples:reward_timeout')
+    elseif string.sub(value, 1, 14) == 'WorkflowError:' then stat('failed_samples:workflow_error')
     else stat('failed_samples:reward_error') end
   end
   redis.call('HSET', gk, 'n_scored', ns, 'n_failed', nf)
   if advk ~= '' then redis.call('HSET', sk, 'adv_kind', advk, 'adv', adv) end
+  if info ~= '' then redis.call('HSET', sk, 'info', info) end
   redis.call('ZREM', k('leases'), sid)
   local n = tonumber(g[1])
   if ns + nf == n then
@@ -57,7 +62,7 @@ local function one(sid, token, kind, value, advk, adv)
 end
 local out = {}
 for j = 0, tonumber(ARGV[12]) - 1 do
-  local b = 13 + 6 * j
-  out[#out + 1] = one(ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5])
+  local b = 13 + 7 * j
+  out[#out + 1] = one(ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
 end
 return out

@@ -8,7 +8,8 @@ local ETA = tonumber(ARGV[8])        -- max_staleness
 local POLICY = ARGV[9]               -- stale policy: restart | drop | keep
 local LEASE_MS = tonumber(ARGV[10])  -- lease of a claim, milliseconds
 local BPV = tonumber(ARGV[11])       -- train batches per published version (weight_sync.interval)
-local FINISH_CODE = {stop = 1, length = 2, abort = 3, budget = 4, lease = 5}
+-- turn: a model call of an episode ended, the episode goes on; obs: environment tokens of an episode
+local FINISH_CODE = {stop = 1, length = 2, abort = 3, budget = 4, lease = 5, turn = 6, obs = 7}
 
 local function skey(sid) return k('sample:' .. sid) end
 local function gkey(gid) return k('group:' .. gid) end
@@ -76,7 +77,7 @@ local function reset_sample(sid, reason)
   if f[1] == 'scored' then redis.call('HINCRBY', gk, 'n_scored', -1) end
   if f[1] == 'failed' then redis.call('HINCRBY', gk, 'n_failed', -1) end
   unqueue(sid)
-  redis.call('HDEL', sk, 'reward', 'error', 'adv', 'adv_kind')
+  redis.call('HDEL', sk, 'reward', 'error', 'adv', 'adv_kind', 'info')
   redis.call('HSET', sk, 'status', 'pending', 'ids', '', 'lps', '', 'vers', '', 'segs', '',
     'minv', -1, 'maxv', -1, 'bver', -1, 'bused', 0, 'claim', '', 'seg_start', 0, 'finish', '',
     'restarts', tonumber(f[4] or '0') + 1, 'updated', NOW, 'completed', 0)

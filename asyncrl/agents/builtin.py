@@ -1,0 +1,164 @@
+"""Built-in workflows and environments: ``arithmetic_retry`` and ``calculator`` (docs/agents.md).
+
+* ``arithmetic_retry``: the model answers the arithmetic problem; if the answer is wrong the
+  environment says so (``"Wrong answer. Try again."``, a user message that re-opens the
+  assistant turn with the task's prefill) and the model tries again, up to ``agent.max_turns``
+  calls. Reward: ``agent.turn_discount ** (k - 1)`` for a correct answer at call k, else 0.
+* ``calculator``: harder arithmetic where the model may call a calculator by writing
+  ``<calc>EXPRESSION</calc>``; the result comes back as a ``tool`` message
+  (``<result>VALUE</result>``, or ``error: ...`` for an expression the calculator refuses), and
+  the model continues. The first output without a calculator call is the final answer; reward
+  1 when it is correct (``Answer: N``, the single-turn task's reward), else 0.
+
+Answers are checked with :func:`asyncrl.rewards.check_answer` (the single-turn task's
+math-verify reward) in a thread, so a slow check never blocks the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask
+from asyncrl.rewards import check_answer
+
+__all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "calculator", "safe_calculate",
+           "CALC_PATTERN", "BUILTIN_WORKFLOWS"]
+
+#: A calculator call in the model's output.
+CALC_PATTERN = re.compile(r"<calc>(.{1,200}?)</calc>", re.S)
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+        ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def safe_calculate(expression: str) -> int:
+    """Evaluate integer arithmetic (``+ - * // %``, parentheses, unary minus), nothing else.
+
+    Args:
+        expression: at most 200 characters.
+
+    Returns:
+        the exact integer value.
+
+    Raises:
+        ValueError: anything but integer literals and those operators, a result or operand
+            beyond 10**30, division by zero, or a longer expression.
+    """
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+    try:
+        tree = ast.parse(expression.strip().replace("×", "*"), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression.strip()!r}") from None
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            v = node.value
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and b == 0:
+                raise ValueError("division by zero")
+            v = _OPS[type(node.op)](a, b)
+        elif isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            v = _OPS[type(node.op)](ev(node.operand))
+        else:
+            raise ValueError(f"only integers and + - * // % are allowed, got {type(node).__name__}")
+        if abs(v) > 10**30:
+            raise ValueError("number too large")
+        return v
+
+    return ev(tree)
+
+
+async def _correct(text: str, gold: str) -> bool:
+    return (await asyncio.to_thread(check_answer, text, gold)).correct
+
+
+@dataclass
+class ArithmeticRetryEnv:
+    """The environment of ``arithmetic_retry``: checks answers, writes the feedback."""
+
+    gold: str
+    prefill: str
+    discount: float
+
+    @classmethod
+    def for_task(cls, task: EpisodeTask, discount: float) -> "ArithmeticRetryEnv":
+        return cls(str(task.metadata.get("gold", "")), str(task.metadata.get("response_prefix") or ""), discount)
+
+    async def is_correct(self, output_text: str) -> bool:
+        """The answer in ``prefill + output_text`` equals the gold (the single-turn reward)."""
+        return await _correct(self.prefill + output_text, self.gold)
+
+    def feedback(self) -> str:
+        return "Wrong answer. Try again."
+
+
+async def arithmetic_retry(task: EpisodeTask, model: EpisodeModel, env: ArithmeticRetryEnv) -> Episode:
+    """Answer; on a wrong answer hear so and retry, up to ``agent.max_turns`` calls (module docstring)."""
+    turn = 0
+    while True:
+        turn += 1
+        out = await model.generate()
+        if await env.is_correct(out.text):
+            return Episode(env.discount ** (turn - 1), "env_done", {"correct": 1.0, "turn_correct": float(turn)})
+        if model.turns_left == 0:
+            return Episode(0.0, "turn_limit", {"correct": 0.0})
+        await model.observe(env.feedback(), role="user", prefill=env.prefill)
+
+
+@dataclass
+class CalculatorEnv:
+    """The environment of ``calculator``: runs calculator calls, checks the final answer."""
+
+    gold: str
+    prefill: str
+
+    @classmethod
+    def for_task(cls, task: EpisodeTask) -> "CalculatorEnv":
+        return cls(str(task.metadata.get("gold", "")), str(task.metadata.get("response_prefix") or ""))
+
+    @staticmethod
+    def calculator_call(output_text: str) -> str | None:
+        """The expression of the first ``<calc>...</calc>`` in the output, or None."""
+        m = CALC_PATTERN.search(output_text)
+        return m.group(1) if m else None
+
+    async def is_correct(self, output_text: str) -> bool:
+        return await _correct(self.prefill + output_text, self.gold)
+
+
+async def calculator(task: EpisodeTask, model: EpisodeModel, env: CalculatorEnv) -> Episode:
+    """Solve with an optional calculator tool (module docstring)."""
+    while True:
+        out = await model.generate()
+        expr = env.calculator_call(out.text)
+        if expr is None:
+            ok = await env.is_correct(out.text)
+            return Episode(1.0 if ok else 0.0, "env_done", {"correct": float(ok)})
+        if model.turns_left == 0:
+            return Episode(0.0, "turn_limit", {"correct": 0.0})
+        ok, result = await model.tool(safe_calculate, expr)
+        await model.observe(f"<result>{result}</result>" if ok else result, role="tool")
+
+
+def _arith_env(agent: Any):
+    return lambda task: ArithmeticRetryEnv.for_task(task, agent.turn_discount)
+
+
+def _calc_env(agent: Any):
+    return lambda task: CalculatorEnv.for_task(task)
+
+
+#: name -> (workflow, env factory builder taking the ``agent`` config section)
+BUILTIN_WORKFLOWS = {
+    "arithmetic_retry": (arithmetic_retry, _arith_env),
+    "calculator": (calculator, _calc_env),
+}

@@ -1,0 +1,71 @@
+"""Resolving ``agent.workflow`` / ``agent.env`` / ``agent.trajectory_grouping_hook`` to Python callables."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from asyncrl.agents.workflow import Workflow
+
+__all__ = ["LoadedWorkflow", "WorkflowError", "load_workflow", "load_callable"]
+
+
+class WorkflowError(ValueError):
+    """A workflow, environment or hook that cannot be loaded; the message says what to fix."""
+
+
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    """``module:function`` -> the function.
+
+    Raises:
+        WorkflowError: not ``module:function``, the module does not import, or no such callable.
+    """
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise WorkflowError(f"{what} must be 'module:function', got {spec!r}")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise WorkflowError(f"{what} {spec!r}: cannot import module {mod_name!r}: {exc}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise WorkflowError(f"{what} {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+@dataclass
+class LoadedWorkflow:
+    """A workflow ready to run: ``run(task, model, env)`` and the env factory (or None)."""
+
+    name: str
+    run: Workflow
+    make_env: Callable[[Any], Any] | None
+
+
+def load_workflow(agent: Any) -> LoadedWorkflow:
+    """The workflow of the ``agent`` config section.
+
+    Raises:
+        WorkflowError: no workflow configured, an unknown built-in, or a ``run`` that is not an
+            ``async def``.
+    """
+    from asyncrl.agents.builtin import BUILTIN_WORKFLOWS
+
+    spec = agent.workflow
+    if not spec:
+        raise WorkflowError("agent.workflow is not set")
+    if spec in BUILTIN_WORKFLOWS:
+        run, env_builder = BUILTIN_WORKFLOWS[spec]
+        make_env = env_builder(agent)
+        if agent.env:
+            make_env = load_callable(agent.env, "agent.env")
+        return LoadedWorkflow(spec, run, make_env)
+    if ":" not in spec:
+        raise WorkflowError(f"agent.workflow {spec!r} is neither a built-in ({', '.join(BUILTIN_WORKFLOWS)}) nor "
+                            "'module:function'")
+    run = load_callable(spec, "agent.workflow")
+    if not inspect.iscoroutinefunction(run):
+        raise WorkflowError(f"agent.workflow {spec!r} must be an 'async def run(task, model, env)'")
+    return LoadedWorkflow(spec, run, load_callable(agent.env, "agent.env") if agent.env else None)

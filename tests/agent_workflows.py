@@ -1,0 +1,68 @@
+"""Workflows used by tests/test_agents.py (importable by rollout-server child processes too)."""
+
+from __future__ import annotations
+
+import random
+
+from asyncrl.agents import Episode
+
+#: observations of :func:`three_turns`, by turn
+FEEDBACK = ["first feedback", "second feedback, longer", "third"]
+
+
+async def three_turns(task, model, env):
+    """Three model calls with an observation after each of the first two; reward = output tokens / 100."""
+    n = 0
+    for turn in range(3):
+        out = await model.generate(max_tokens=6)
+        n += len(out.token_ids)
+        if turn < 2:
+            await model.observe(FEEDBACK[turn], role="user")
+    return Episode(n / 100.0, "env_done", {"tokens": float(n)})
+
+
+async def with_tool(task, model, env):
+    """A tool call between two model calls; the tool's result is the observation."""
+    out = await model.generate(max_tokens=5)
+    ok, text = await model.tool(lambda k: f"{k} tokens", len(out.token_ids))
+    await model.observe(text, role="tool")
+    out2 = await model.generate(max_tokens=5)
+    return Episode(1.0 if ok else 0.0, "env_done", {"tool_ok": float(ok)})
+
+
+async def failing_tool(task, model, env):
+    """A tool that raises and one that times out: both are observations, the episode goes on."""
+    await model.generate(max_tokens=3)
+
+    def boom():
+        raise RuntimeError("tool exploded")
+
+    ok1, text1 = await model.tool(boom)
+    ok2, text2 = await model.tool(__import__("time").sleep, 5, timeout=0.2)
+    await model.observe(text1 + " / " + text2, role="tool")
+    await model.generate(max_tokens=3)
+    return Episode(0.5, "env_done", {"ok1": float(ok1), "ok2": float(ok2)})
+
+
+async def unseeded(task, model, env):
+    """Not deterministic: its observation depends on an unseeded random number."""
+    await model.generate(max_tokens=6)
+    await model.observe(f"noise {random.random()}", role="user")
+    await model.generate(max_tokens=6)
+    return Episode(0.0)
+
+
+async def raises(task, model, env):
+    """The workflow itself fails after one call."""
+    await model.generate(max_tokens=3)
+    raise ValueError("workflow bug")
+
+
+async def step_advantages(task, model, env):
+    """Sets precomputed advantages on every step: a scalar on the first, per token on the second."""
+    await model.generate(max_tokens=4)
+    await model.observe("ok", role="user")
+    out = await model.generate(max_tokens=4)
+    model.steps[0].advantages = 0.5
+    model.steps[1].advantages = [float(i) for i in range(len(out.token_ids))]
+    return Episode(0.0)

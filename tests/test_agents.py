@@ -1,0 +1,244 @@
+"""Episodes of multi-turn workflows (issue 15): token identity, durability, replay, failure paths.
+
+Real processes and services: an embedded engine server (tiny random model) over HTTP, a real
+redis-server (fixture ``redis_url``), the real rollout worker running the workflows of
+``tests/agent_workflows.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+
+import pytest
+
+from asyncrl.agents import ChatFormat, load_workflow
+from asyncrl.agents.workflow import RecordedHistory
+from asyncrl.config import AgentConfig, AsyncRLConfig
+from asyncrl.types import PromptGroup, SampleStatus, Segment
+from buffers import BufferSettings, ReplayBuffer
+from rollout_server.client import EngineClient
+from rollout_server.episodes import EpisodeRunner
+from rollout_server.testing import make_random_model, start_embedded_server
+from rollout_server.worker import RolloutWorker, WorkerOptions
+from trainer.episodes import episode_layout
+
+import agent_workflows
+
+
+def _settings(**kw) -> BufferSettings:
+    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=64,
+                max_response_len=96, max_staleness=1, lease_seconds=3.0, flush_tokens=2)
+    base.update(kw)
+    return BufferSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from asyncrl.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    return make_random_model(tiny_model_dir, tmp_path_factory.mktemp("agents") / "m0", seed=21)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = start_embedded_server(model_dir, "--weight-version", "0")
+    yield srv
+    srv.stop()
+
+
+def _worker(buf, url, tokenizer, workflow: str, worker_id="w-agent", **agent_kw) -> RolloutWorker:
+    from asyncrl.rewards import RewardScorer
+
+    opts = WorkerOptions(worker_id, temperature=1.0, max_inflight_requests=4, version_poll_seconds=0.1)
+    w = RolloutWorker(buf, EngineClient(url), RewardScorer("rollout_worker_rewards:length_reward"), tokenizer, opts)
+    agent = AgentConfig(workflow=workflow, **agent_kw)
+    w.episodes = EpisodeRunner(w, load_workflow(agent), agent, seed=3)
+    return w
+
+
+async def _run_until(worker, cond, timeout_seconds=90.0):
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while not await cond():
+            if task.done():
+                task.result()
+                raise AssertionError("the worker stopped before the condition was met")
+            assert time.monotonic() < deadline, f"not met in {timeout_seconds} s: {await worker.buffer.stats()}"
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+    return await task
+
+
+def _ready(buf, n):
+    async def cond():
+        return (await buf.stats())["groups_by_state"].get("ready", 0) >= n
+    return cond
+
+
+def _prompt(tokenizer, text):
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------- units
+def test_observation_tokens_use_the_template_delimiters(tokenizer):
+    chat = ChatFormat(tokenizer)
+    eos = tokenizer.eos_token_id
+    after_eos = chat.observation_text("hi", "user", "5 =", after_ids=[7, eos])
+    assert after_eos == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n5 ="
+    cut = chat.observation_text("hi", "tool", after_ids=[7, 8])  # a call cut by max_tokens: close its turn
+    assert cut == "<|im_end|>\n<|im_start|>tool\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = chat.observation_ids("hi", "user", after_ids=[eos])
+    assert tokenizer.decode(ids, skip_special_tokens=False) == after_eos[:-len("5 =")]
+
+
+def test_recorded_history_rebuilds_calls_and_observations():
+    ids = list(range(10))
+    segs = [Segment(0, 2, "budget"), Segment(2, 3, "turn"), Segment(3, 5, "obs"), Segment(5, 7, "abort"),
+            Segment(7, 8, "lease")]
+    h = RecordedHistory.from_record(ids, [-0.5] * 10, [0] * 10, segs)
+    kinds = [(e.kind, e.token_ids, e.complete) for e in h.events]
+    assert kinds == [("model", [0, 1, 2], True), ("obs", [3, 4], False if False else True),
+                     ("model", [5, 6, 7, 8, 9], False)]
+    env, calls = episode_layout(segs, 10)
+    assert env == [(3, 5)] and calls == [(0, 3), (5, 10)]
+    with pytest.raises(ValueError, match="do not tile"):
+        RecordedHistory.from_record(ids, [0.0] * 10, [0] * 10, [Segment(1, 2, "turn")])
+
+
+def test_per_step_is_deprecated_and_mapped_to_broadcast():
+    with pytest.warns(DeprecationWarning, match="per_step"):
+        cfg = AsyncRLConfig.model_validate({"agent": {"workflow": "arithmetic_retry", "stepwise_mode": "per_step"}})
+    assert cfg.agent.stepwise_mode == "broadcast"
+    with pytest.raises(ValueError, match="stepwise_mode"):
+        AsyncRLConfig.model_validate({"agent": {"stepwise_mode": "per_token"}})
+    from trainer.episodes import check_stepwise_mode
+
+    with pytest.raises(ValueError, match="broadcast"):
+        check_stepwise_mode("per_step")
+
+
+def test_bad_workflow_specs_are_named():
+    from asyncrl.agents import WorkflowError
+
+    for spec, msg in [("nosuch", "neither a built-in"), ("nosuchmod:run", "cannot import"),
+                      ("agent_workflows:nothing", "no callable"), ("agent_workflows:FEEDBACK", "no callable")]:
+        with pytest.raises(WorkflowError, match=msg):
+            load_workflow(AgentConfig(workflow=spec))
+
+
+# ---------------------------------------------------------------------------------------------- episodes
+async def test_episode_token_identity_and_segments(redis_url, server, tokenizer):
+    """The trained ids are the engine's output ids plus the observation ids, byte for byte."""
+    async with await ReplayBuffer.open(redis_url, "ep1", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2),
+                        PromptGroup("g1", _prompt(tokenizer, "talk"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:three_turns")
+        await _run_until(w, _ready(buf, 2))
+        await w.client.close()
+        chat = ChatFormat(tokenizer)
+        differs = 0
+        for gid in ("g0", "g1"):
+            group, samples = await buf.get_group(gid)
+            for s in samples:
+                assert s.status == SampleStatus.SCORED
+                env, calls = episode_layout(s.segments, len(s.response_ids))
+                assert len(calls) == 3 and len(env) == 2
+                # rebuild: each call's engine ids, then the observation tokenised once after it
+                rebuilt = []
+                for k, (a, b) in enumerate(calls):
+                    out = s.response_ids[a:b]
+                    assert 1 <= len(out) <= 6 and len(rebuilt) == a
+                    rebuilt += out
+                    if k < 2:
+                        obs = chat.observation_ids(agent_workflows.FEEDBACK[k], "user", after_ids=out)
+                        assert s.response_ids[env[k][0]:env[k][1]] == obs
+                        rebuilt += obs
+                assert rebuilt == s.response_ids
+                assert all(s.behaviour_logprobs[i] == 0.0 for a, b in env for i in range(a, b))
+                assert s.reward == pytest.approx(sum(b - a for a, b in calls) / 100.0)
+                assert s.info["termination"] == "env_done" and s.info["turns"] == 3
+                text = tokenizer.decode(group.prompt_ids + s.response_ids, skip_special_tokens=False)
+                differs += list(tokenizer(text, add_special_tokens=False)["input_ids"]) != group.prompt_ids + s.response_ids
+        assert differs > 0, "re-tokenising decoded history would have given the same ids: the test proves nothing"
+
+
+async def test_budget_interrupted_episodes_resume_without_regenerating(redis_url, server, tokenizer):
+    """M = 4 < a call's 6 tokens: calls are parked mid-way and resumed by replay; no token is generated twice."""
+    async with await ReplayBuffer.open(redis_url, "ep2", _settings(max_budget_tokens=4)) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:three_turns")
+        stats = await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        _, samples = await buf.get_group("g0")
+        model_tokens = 0
+        for s in samples:
+            env, calls = episode_layout(s.segments, len(s.response_ids))
+            assert len(calls) == 3
+            model_tokens += sum(b - a for a, b in calls)
+            assert s.num_resumes >= 1 and any(seg.finish_reason == "budget" for seg in s.segments)
+        assert stats.generated_tokens == model_tokens  # nothing regenerated
+        assert (await buf.stats())["counters"].get("idle_resumes", 0) >= 1
+
+
+async def test_tools_failures_are_observations(redis_url, server, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "ep3", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "tool"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:failing_tool")
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        _, samples = await buf.get_group("g0")
+        for s in samples:
+            assert s.reward == 0.5 and s.info["tool_calls"] == 2 and s.info["tool_failures"] == 2
+            text = tokenizer.decode(s.response_ids, skip_special_tokens=False)
+            assert "tool exploded" in text and "longer than 0.2 s" in text
+
+
+async def test_workflow_error_fails_the_sample_with_its_reason(redis_url, server, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "ep4", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "bug"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:raises")
+
+        async def dropped():
+            return "g0" in await buf.dropped_groups()
+        await _run_until(w, dropped)
+        await w.client.close()
+        st = await buf.stats()
+        assert st["counters"]["failed_samples:workflow_error"] == 2
+
+
+async def test_nondeterministic_workflow_is_detected_on_replay(redis_url, server, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "ep5", _settings(max_budget_tokens=3)) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "noise"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:unseeded")
+
+        async def restarted():
+            return (await buf.stats())["counters"].get("restarted_samples:nondeterministic", 0) >= 1
+        await _run_until(w, restarted)
+        await w.client.close()
+
+
+async def test_precomputed_step_advantages_reach_the_buffer(redis_url, server, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "ep6", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "adv"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:step_advantages")
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        _, samples = await buf.get_group("g0")
+        for s in samples:
+            env, calls = episode_layout(s.segments, len(s.response_ids))
+            (a0, b0), (a1, b1) = calls
+            adv = s.advantages
+            assert len(adv) == len(s.response_ids)
+            assert adv[a0:b0] == [0.5] * (b0 - a0) and adv[a1:b1] == [float(i) for i in range(b1 - a1)]
+            assert all(adv[i] == 0.0 for a, b in env for i in range(a, b))

@@ -1,0 +1,149 @@
+"""Episodes in the trainer: loss masks, the ``concat``/``stepwise`` representations, the grouping hook.
+
+An episode arrives as one buffer sample (docs/agents.md): its response is the conversation after
+the prompt, model calls and environment observations in order, and its segments say which is
+which (``obs`` segments hold environment tokens; ``turn`` closes a model call).
+
+* **Loss mask**: environment tokens get mask 0 in both representations (only model tokens are
+  trained); staleness statistics count model tokens only.
+* ``concat`` (default): the episode is one training sample, the whole conversation.
+* ``stepwise``: each model call is its own sample, whose prompt is the episode's prompt plus
+  every token before the call (exact ids, so the model sees the context the engine saw) and
+  whose response is the call's tokens. ``stepwise_mode: broadcast``: every step carries the
+  trajectory's advantage (per token, as computed for the episode); per-step advantages come
+  from the workflow (``step.advantages``) or a grouping hook.
+* ``trajectory_grouping_hook``: ``module:function`` called with the batch's
+  :class:`trainer.batch.TrainGroup` list (one per prompt group, samples = episodes with their
+  rewards, ``info`` and ``call_spans``) before advantages are computed; it returns the groups to
+  train — it may regroup episodes, change rewards, or set ``advantages`` (then validated as any
+  precomputed advantages: all valid -> the estimator is skipped; some -> warning and fallback;
+  wrong length -> an error naming the sample).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["episode_layout", "check_stepwise_mode", "expand_stepwise", "apply_grouping_hook"]
+
+
+def _seg_fields(seg: Any) -> tuple[int, int, str]:
+    if isinstance(seg, (tuple, list)):
+        return int(seg[0]), int(seg[1]), str(seg[2])
+    if isinstance(seg, dict):
+        return int(seg["start"]), int(seg["end"]), str(seg["finish_reason"])
+    return int(seg.start), int(seg.end), str(seg.finish_reason)
+
+
+def episode_layout(segments: Sequence[Any], response_len: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Environment spans and model-call spans of an episode's response.
+
+    Args:
+        segments: the sample's segments (:class:`asyncrl.types.Segment`, ``(start, end, reason)``
+            tuples or dicts), in order.
+        response_len: R, the response length.
+
+    Returns:
+        ``(env_spans, call_spans)``: half-open ``[start, end)`` token ranges of environment
+        observations and of model calls. Both empty for a single-turn sample (no ``obs`` or
+        ``turn`` segment).
+    """
+    segs = [_seg_fields(s) for s in segments]
+    if not any(r in ("obs", "turn") for _, _, r in segs):
+        return [], []
+    env: list[tuple[int, int]] = []
+    calls: list[tuple[int, int]] = []
+    open_start: int | None = None
+    pos = 0
+    for start, end, reason in segs:
+        pos = max(pos, end)
+        if reason == "obs":
+            if open_start is not None and start > open_start:
+                calls.append((open_start, start))
+            open_start = None
+            env.append((start, end))
+            continue
+        if open_start is None:
+            open_start = start
+        if reason in ("turn", "stop", "length"):
+            if end > open_start:
+                calls.append((open_start, end))
+            open_start = None
+    if open_start is not None and response_len > open_start:
+        calls.append((open_start, response_len))
+    elif open_start is None and response_len > pos:
+        calls.append((pos, response_len))
+    return env, calls
+
+
+def check_stepwise_mode(mode: str) -> str:
+    """The step-wise advantage mode, checked strictly (the config maps the deprecated ``per_step``).
+
+    Raises:
+        ValueError: anything but ``broadcast``.
+    """
+    if mode != "broadcast":
+        raise ValueError(f"stepwise_mode must be 'broadcast' here (the config maps the deprecated 'per_step'), got {mode!r}")
+    return mode
+
+
+def expand_stepwise(prepared: list[Any], mode: str = "broadcast") -> list[Any]:
+    """Split episode samples into one sample per model call (``agent.representation: stepwise``).
+
+    Args:
+        prepared: :class:`trainer.batch.PreparedSample` list; a sample with ``call_spans`` is split,
+            others pass unchanged.
+        mode: the step-wise mode (only ``broadcast``; checked strictly).
+
+    Returns:
+        the samples in order; step k of sample ``s`` is named ``s#k``, its prompt is
+        ``prompt + response[:start_k]`` and its per-token tensors are the episode's sliced to
+        ``[start_k, end_k)`` (so each step carries the trajectory's advantage).
+    """
+    from trainer.batch import PreparedSample
+
+    check_stepwise_mode(mode)
+    out: list[Any] = []
+    for p in prepared:
+        spans = getattr(p, "call_spans", None) or []
+        if not spans:
+            out.append(p)
+            continue
+        for k, (a, b) in enumerate(spans):
+            out.append(PreparedSample(
+                f"{p.sample_id}#{k}", p.group_id, list(p.prompt_ids) + list(p.response_ids[:a]),
+                list(p.response_ids[a:b]), p.behaviour_logprobs[a:b].clone(), p.advantages[a:b].clone(),
+                p.loss_mask[a:b].clone(), p.versions[a:b].clone(), p.reward,
+            ))
+    return out
+
+
+def apply_grouping_hook(hook: Any, groups: list[Any]) -> list[Any]:
+    """Run a ``trajectory_grouping_hook`` on the batch's groups and check what it returns.
+
+    Raises:
+        ValueError: the hook returned something other than a non-empty list of groups, or a
+            sample twice.
+    """
+    from trainer.batch import TrainGroup
+
+    result = hook(groups)
+    if not isinstance(result, list) or not result or not all(isinstance(g, TrainGroup) for g in result):
+        raise ValueError("agent.trajectory_grouping_hook must return a non-empty list of trainer.batch.TrainGroup")
+    seen: set[str] = set()
+    for g in result:
+        for s in g.samples:
+            if s.sample_id in seen:
+                raise ValueError(f"agent.trajectory_grouping_hook put sample {s.sample_id} in two groups")
+            seen.add(s.sample_id)
+    return result
+
+
+def env_mask(response_len: int, env_spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """(R,) 1.0 on model tokens, 0.0 on environment tokens."""
+    m = torch.ones(response_len)
+    for a, b in env_spans:
+        m[a:b] = 0.0
+    return m
