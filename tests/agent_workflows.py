@@ -66,3 +66,36 @@ async def step_advantages(task, model, env):
     model.steps[0].advantages = 0.5
     model.steps[1].advantages = [float(i) for i in range(len(out.token_ids))]
     return Episode(0.0)
+
+
+LONG_TURNS = 8
+
+
+def slow_tool(marker_dir: str, sample_id: str, k: int, n: int) -> str:
+    """A tool that takes 0.6 s; while it runs, a marker file says so (the kill test waits for one)."""
+    import os
+    import time
+
+    path = os.path.join(marker_dir, f"{sample_id.replace('/', '_')}-{k}") if marker_dir else ""
+    if path:
+        open(path, "w").close()
+    time.sleep(0.6)
+    if path:
+        os.unlink(path)
+    return f"call {k} gave {n} tokens"
+
+
+async def long_episode(task, model, env):
+    """LONG_TURNS calls of up to 6 tokens, each followed by a slow tool call whose result is observed."""
+    import os
+
+    marker_dir = os.environ.get("ASYNCRL_TEST_TOOL_MARKERS", "")
+    n = 0
+    for k in range(LONG_TURNS):
+        out = await model.generate(max_tokens=6)
+        n += len(out.token_ids)
+        if k == LONG_TURNS - 1:
+            break
+        ok, text = await model.tool(slow_tool, marker_dir, task.sample_id, k, len(out.token_ids))
+        await model.observe(text, role="tool")
+    return Episode(n / 100.0, "env_done", {"tokens": float(n)})
