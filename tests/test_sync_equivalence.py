@@ -76,22 +76,24 @@ EPS_LOW, EPS_HIGH, DUAL_C = 0.2, 0.28, 3.0
 MICRO_BATCH_TOKENS = 96
 CRITIC_LR = 5e-4
 GAMMA, LAM, VALUE_CLIP = 1.0, 0.95, 0.2
+EPISODE_MAX_RESPONSE = 64  # three calls of <= 6 tokens and two observations
 STOP = "a"  # a stop string in ~16% of the tiny vocabulary: responses of 1..12 tokens, some truncated
 
 
-def _config(tmp_path: Path, model_dir: Path, redis_url: str, critic_dir: Path | None = None):
+def _config(tmp_path: Path, model_dir: Path, redis_url: str, critic_dir: Path | None = None, agent: dict | None = None):
     critic = {} if critic_dir is None else {
         "advantage": "gae", "gae": {"discount": GAMMA, "gae_lambda": LAM},
         "critic": {"model_path": str(critic_dir), "value_eps_clip": VALUE_CLIP, "value_norm": False,
                    "optimizer": {"lr": CRITIC_LR, "grad_clip": GRAD_CLIP, "lr_schedule": "constant"}}}
+    max_response = MAX_RESPONSE if agent is None else EPISODE_MAX_RESPONSE
     return load_config([], environ={}, overrides={
         "run": {"name": "sync", "output_dir": str(tmp_path), "seed": 0, "total_steps": STEPS},
         "model": {"path": str(model_dir), "dtype": "float32"},
         "data": {"task": "arithmetic", "reward": "rollout_worker_rewards:length_reward",
                  "check_verifier_status": False, "num_train_prompts": 100},
         "rollout": {"engine": "torch", "num_servers": 1, "base_port": 0, "n_samples_per_prompt": N_SAMPLES,
-                    "rollout_batch_size": GROUPS_PER_STEP, "partial_percent": 1.0, "max_budget": MAX_RESPONSE,
-                    "max_response_len": MAX_RESPONSE, "temperature": TEMPERATURE, "max_inflight_requests": 8,
+                    "rollout_batch_size": GROUPS_PER_STEP, "partial_percent": 1.0, "max_budget": max_response,
+                    "max_response_len": max_response, "temperature": TEMPERATURE, "max_inflight_requests": 8,
                     "engine_threads": 1, "engine_max_batch_size": 8, "stop": [STOP]},
         "buffer": {"redis_url": redis_url, "max_staleness": 0, "stale_policy": "restart", "flush_tokens": 4},
         "trainer": {"advantage": "grpo", "micro_batch_tokens": MICRO_BATCH_TOKENS, "checkpoint_interval": 100,
@@ -103,6 +105,7 @@ def _config(tmp_path: Path, model_dir: Path, redis_url: str, critic_dir: Path | 
                                   "lr_schedule": "constant", "warmup_steps": 0}, **critic},
         "weight_sync": {"transport": "disk", "interval": 1},
         "monitoring": {"jsonl": True, "progress": False},
+        **({} if agent is None else {"agent": agent}),
     })
 
 
@@ -192,7 +195,8 @@ def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], 
                     f"step {step}: sample {s.sample_id} has tokens of versions {sorted(set(s.versions))}; "
                     f"eta = 0 trains only tokens of the current policy")
                 generated[(g.group_id, s.index)] = {"response_ids": s.response_ids,
-                                                    "behaviour_logprobs": s.behaviour_logprobs}
+                                                    "behaviour_logprobs": s.behaviour_logprobs,
+                                                    "call_spans": list(s.call_spans)}
         records.append({
             "group_ids": [g.group_id for g in groups],
             "sample_ids": [s.sample_id for g in groups for s in g.samples],
@@ -208,7 +212,7 @@ def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], 
 
 
 def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, steps: int,
-                    critic_dir: Path | None = None) -> tuple[list[dict], dict]:
+                    critic_dir: Path | None = None, episode_feedback: list[str] | None = None) -> tuple[list[dict], dict]:
     """Synchronous on-policy GRPO (or PPO with GAE and a value head) with PPO clip, written from the formulas (no asyncrl code).
 
     Args:
@@ -220,6 +224,10 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
         critic_dir: with a critic: the value head's initial weights (a token-classification
             model, one label); advantages are then GAE over per-token rewards (the sequence
             reward on the last token), and the critic takes the clipped value loss.
+        episode_feedback: multi-turn episodes of ``agent_workflows.three_turns``: each sample's
+            model calls (the engine's token ids, replayed) are joined with the observation
+            ``episode_feedback[k]`` after call k, tokenised here from the ChatML strings; the loss
+            covers model tokens only and the reward is model tokens / 100.
 
     Returns:
         ``(records, final state dict)``; one record per step (critic weights prefixed ``critic.``).
@@ -248,9 +256,26 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
             for i in range(N_SAMPLES):
                 g = generated[(gid, i)]
                 samples.append({"id": f"{gid}/{i}", "gid": gid, "prompt": prompts[c], **g})
-        # 2. score: the length reward, (len(decoded response) % 7) / 7
+        # 2. score: the length reward, (len(decoded response) % 7) / 7; episodes: rebuild the
+        #    conversation from the calls and the observations, reward = model tokens / 100
         for s in samples:
-            s["reward"] = (len(tok.decode(s["response_ids"], skip_special_tokens=True)) % 7) / 7.0
+            s["mask"] = [1.0] * len(s["response_ids"])
+            if episode_feedback is not None:
+                calls = [(s["response_ids"][a:b], s["behaviour_logprobs"][a:b]) for a, b in s["call_spans"]]
+                assert len(calls) == 3, s["call_spans"]
+                seq, mask, behav = [], [], []
+                for k, (c, lp) in enumerate(calls):
+                    seq, mask, behav = seq + c, mask + [1.0] * len(c), behav + lp
+                    if k < len(calls) - 1:
+                        close = "\n" if c[-1] == tok.eos_token_id else "<|im_end|>\n"
+                        obs = tok(close + "<|im_start|>user\n" + episode_feedback[k] + "<|im_end|>\n<|im_start|>assistant\n",
+                                  add_special_tokens=False)["input_ids"]
+                        seq, mask, behav = seq + obs, mask + [0.0] * len(obs), behav + [0.0] * len(obs)
+                assert seq == s["response_ids"], "the recorded conversation is not calls + observations"
+                s["mask"], s["behaviour_logprobs"] = mask, behav
+                s["reward"] = sum(len(c) for c, _ in calls) / 100.0
+            else:
+                s["reward"] = (len(tok.decode(s["response_ids"], skip_special_tokens=True)) % 7) / 7.0
         # 3. GRPO advantages: (r - mean) / (unbiased std + 1e-6) per prompt group; with a critic:
         #    values V(s_t) before the step, rewards 0 ... 0 r, GAE and returns A + V
         if critic is not None:
@@ -284,7 +309,7 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
             else:
                 bins.append([s])
                 used = n
-        total_tokens = sum(len(s["response_ids"]) for s in samples)
+        total_tokens = sum(sum(s["mask"]) for s in samples)
         loss_sum, value_loss_sum, onpolicy_gap = 0.0, 0.0, 0.0
         for mb in bins:
             mb_loss = 0.0
@@ -295,12 +320,13 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
                 logits = model(input_ids=ids).logits[0, p - 1:-1].float() / TEMPERATURE
                 logp = torch.log_softmax(logits, -1).gather(-1, resp[:, None])[:, 0]
                 behav = torch.tensor(s["behaviour_logprobs"])
-                onpolicy_gap = max(onpolicy_gap, float((logp.detach() - behav).abs().max()))
+                m = torch.tensor(s["mask"])
+                onpolicy_gap = max(onpolicy_gap, float(((logp.detach() - behav) * m).abs().max()))
                 ratio = torch.exp(logp - behav)
                 a = s["adv"]
                 pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH))
                 pg = torch.where(a < 0, torch.minimum(pg, -DUAL_C * a), pg)
-                mb_loss = mb_loss + pg.sum() / total_tokens
+                mb_loss = mb_loss + (pg * m).sum() / total_tokens
                 if critic is not None:
                     v = critic(input_ids=ids[:, :-1]).logits[0, p - 1:, 0]
                     old, ret = s["old_values"], s["returns"]
@@ -425,5 +451,30 @@ def test_synchronous_equivalence_with_a_critic(tmp_path, tiny_model_dir, redis_u
     assert moved > 1e-3
     for name, w in plain_weights.items():
         if name.endswith("lm_head.weight") and name not in trainer_weights:
+            continue
+        assert float((trainer_weights[name] - w).abs().max()) < 5e-5, name
+
+
+def test_synchronous_equivalence_multi_turn_episodes(tmp_path, tiny_model_dir, redis_url):
+    """Episodes of three model calls and two observations (agent_workflows.three_turns, concat):
+    the same steps, losses over model tokens only and final weights as the plain loop, which
+    rebuilds each conversation from the engine's calls and its own tokenisation of the
+    observations (so the on-policy check also proves the engine saw exactly the trained context)."""
+    from asyncrl.models import load_tokenizer
+    from asyncrl.tasks import TrainPromptStream
+
+    import agent_workflows
+
+    torch.set_num_threads(1)
+    cfg = _config(tmp_path, tiny_model_dir, redis_url, agent={"workflow": "agent_workflows:three_turns", "max_turns": 3})
+    records, generated, trainer_weights = run_asyncrl(cfg, tmp_path)
+    stream = TrainPromptStream(cfg.data, load_tokenizer(tiny_model_dir), seed=cfg.run.seed)
+    prompts = [list(stream.get(c).prompt_ids) for c in range((STEPS + 1) * GROUPS_PER_STEP)]
+    plain, plain_weights = plain_sync_loop(tiny_model_dir, prompts, generated, STEPS,
+                                           episode_feedback=agent_workflows.FEEDBACK)
+    assert_same_steps(records, plain)
+    assert sum(abs(r["loss"]) > 1e-4 for r in records) >= 3, [r["loss"] for r in records]
+    for name, w in plain_weights.items():
+        if name == "lm_head.weight" and name not in trainer_weights:
             continue
         assert float((trainer_weights[name] - w).abs().max()) < 5e-5, name
