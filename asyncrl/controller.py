@@ -311,6 +311,10 @@ class Controller:
                     metrics.update({"eval/accuracy_sampled": r["accuracy"], "eval/ci95_low": r["accuracy_ci_low"],
                                     "eval/ci95_high": r["accuracy_ci_high"],
                                     "eval/format_compliance": r["format_compliance"], "eval/num_problems": r["n"]})
+                    if r.get("episodes"):  # a workflow's episodes (docs/agents.md)
+                        e = r["episodes"]
+                        metrics.update({"eval/turns_mean": e["turns_mean"], "eval/tool_calls_mean": e["tool_calls_mean"],
+                                        "eval/first_turn_accuracy": e["first_turn_accuracy"]})
                 else:
                     metrics.update({"eval/accuracy_greedy": r["accuracy"],
                                     "eval/greedy_ci95_low": r["accuracy_ci_low"],

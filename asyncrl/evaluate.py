@@ -82,6 +82,8 @@ class EvalResult:
         truncated: responses that hit ``max_new_tokens`` without EOS.
         seconds: wall time of generation and scoring.
         backend: the generation backend (``engine``, ``hf`` or ``server``).
+        episodes: for a workflow's episodes (``agent.workflow``, asyncrl/agents/evaluate.py): mean
+            turns, tool calls and reward, first-call accuracy and termination counts; None otherwise.
     """
 
     task: str
@@ -102,6 +104,7 @@ class EvalResult:
     seed: int
     seconds: float
     backend: str = "engine"
+    episodes: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -109,6 +112,12 @@ class EvalResult:
 
     def summary(self) -> str:
         """One line: ``sampled T=1.0: accuracy 23.5% [19.6, 27.9] n=400; format 80.0% ...``."""
+        if self.episodes is not None:
+            e = self.episodes
+            return (f"{self.mode:<7} T={self.temperature:<4g} success {100 * self.accuracy:5.1f}% "
+                    f"[{100 * self.accuracy_ci_low:.1f}, {100 * self.accuracy_ci_high:.1f}] n={self.n} episodes of "
+                    f"{e['workflow']}; first call {100 * e['first_turn_accuracy']:.1f}%; {e['turns_mean']:.2f} turns, "
+                    f"{e['tool_calls_mean']:.2f} tool calls per episode; ended {e['terminations']}; {self.seconds:.1f} s")
         return (
             f"{self.mode:<7} T={self.temperature:<4g} accuracy {100 * self.accuracy:5.1f}% "
             f"[{100 * self.accuracy_ci_low:.1f}, {100 * self.accuracy_ci_high:.1f}] n={self.n}; "
@@ -490,6 +499,8 @@ def main(argv: list[str]) -> int:
         return cfg
     temps = [0.0 if m == "greedy" else args.temperature for m in modes]
     samples: list[dict[str, Any]] | None = [] if args.samples_out else None
+    if cfg.agent.workflow:
+        return _main_episodes(cfg, args, temps)
     try:
         results = evaluate(
             cfg.model.path, cfg.data, num_problems=args.num_problems, temperatures=temps,
@@ -511,6 +522,39 @@ def main(argv: list[str]) -> int:
     else:
         print(f"model {cfg.model.path}  task {cfg.data.task}  held-out problems {args.num_problems}  "
               f"backend {results[0].backend}")
+        for r in results:
+            print(r.summary())
+    return 0
+
+
+def _main_episodes(cfg: Any, args: argparse.Namespace, temps: list[float]) -> int:
+    """``asyncrl eval`` of a workflow's episodes (``agent.workflow`` set; asyncrl/agents/evaluate.py)."""
+    import torch
+
+    from asyncrl.agents import WorkflowError
+    from asyncrl.agents.evaluate import evaluate_episodes
+    from asyncrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from asyncrl.tasks import load_task
+
+    if args.server_url or (args.backend and args.backend != "engine"):
+        print("asyncrl eval: episodes of agent.workflow run on the in-process engine only (no --server_url or "
+              "--backend hf)", file=sys.stderr)
+        return 2
+    try:
+        torch.set_num_threads(args.threads)
+        problems = load_task(cfg.data).heldout(args.num_problems)
+        path = resolve_model_path(str(cfg.model.path))
+        model, tokenizer = load_causal_lm(path), load_tokenizer(path)
+        seed = cfg.run.seed if args.seed is None else args.seed
+        results = [evaluate_episodes(model, tokenizer, problems, cfg, temperature=t, seed=seed,
+                                     batch_size=args.batch_size, model_name=str(cfg.model.path)) for t in temps]
+    except (OSError, ValueError, EvalError, WorkflowError) as exc:
+        print(f"asyncrl eval: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        print(f"model {cfg.model.path}  workflow {cfg.agent.workflow}  held-out problems {args.num_problems}")
         for r in results:
             print(r.summary())
     return 0
