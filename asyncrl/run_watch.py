@@ -261,6 +261,11 @@ class BufferWatcher:
             "buffer/appended_tokens": counters.get("appended_tokens", 0),
             "buffer/acked_groups": counters.get("acked_groups", 0),
         }
+        # best-of-n, dynamic sampling, pass-rate filter (buffers.inspection.sampling_counts):
+        # zero_variance_share is over every group finished so far, whether or not it was dropped
+        for key, value in st.get("sampling", {}).items():
+            m[f"buffer/{key}"] = value
+        m["buffer/filtered_prompts"] = counters.get("filtered_prompts:pass_rate", 0)
         # states seen once keep being reported (as 0) so displays never show a stale count
         for kind in ("groups", "samples"):
             counts = st.get(f"{kind}_by_state", {})
@@ -314,7 +319,7 @@ class PrometheusExport:
 
     #: The buffer's reason codes (buffers/lua) -> the closed sets of ``asyncrl.metrics``.
     BUFFER_REASONS = {"stale_resume": "stale", "stale_batch": "stale", "abandoned_version": "lineage",
-                      "reward_error": "reward_error"}
+                      "reward_error": "reward_error", "zero_variance": "zero_variance"}
 
     def _delta(self, key: str, total: int) -> int:
         """Increase of the buffer counter ``key`` since the last poll (the buffer keeps totals in Redis)."""
@@ -339,6 +344,12 @@ class PrometheusExport:
                 self.buf.restarted(reason, groups=n)
             elif kind == "reclaimed_leases":
                 self.buf.reclaimed.inc(n)
+            elif kind == "discarded_best_of_n":
+                self.buf.dropped("best_of_n", samples=n)
+            elif kind == "finished_groups":
+                self.buf.groups_finished.inc(n)
+            elif kind == "zero_variance_groups":
+                self.buf.groups_zero_variance.inc(n)
         admitted = self._delta("admitted_groups", int(stats.get("admitted_groups", 0)))
         if admitted:
             self.buf.groups_admitted.inc(admitted)

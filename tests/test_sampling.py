@@ -207,3 +207,34 @@ def test_settings_and_config_reject_inconsistent_sampling_options(tmp_path):
     assert (s.generation_size, s.dynamic_sampling, s.record_pass_rates) == (8, True, True)
     plain = BufferSettings.from_config(load_config([]))
     assert (plain.generation_size, plain.dynamic_sampling, plain.record_pass_rates) == (0, False, False)
+
+
+async def test_zero_variance_share_reaches_the_step_records_and_prometheus(redis_url):
+    """The controller's BufferWatcher (JSONL step records) and PrometheusExport report the share."""
+    from asyncrl.metrics import exposition, stop_metrics_server
+    from asyncrl.run_watch import BufferWatcher, PrometheusExport
+
+    rewards = {"g0": (1.0, 1.0, 0.0), "g1": (0.0, 1.0, 0.0), "g2": (0.0, 0.0, 1.0), "g3": (1.0, 0.0, 0.0)}
+    settings = _settings(rollout_batch_size=4, n_samples_per_prompt=2, generation_size=3, max_staleness=3,
+                         dynamic_sampling=True)
+    async with await ReplayBuffer.open(redis_url, "share", settings) as buf:
+        await buf.feed([buf.make_group(g, [1]) for g in rewards], 0)
+        await _finish(buf, lambda it: rewards[it.group_id][it.index])
+        m = await BufferWatcher(buf).poll(1.0)
+        # best two of three: g0 (1, 1) has no signal and is dropped; g1, g2, g3 keep (1, 0), one discarded each
+        assert m["buffer/finished_groups"] == 4 and m["buffer/zero_variance_groups"] == 1
+        assert m["buffer/zero_variance_share"] == 0.25 and m["buffer/drops_zero_variance"] == 1
+        assert m["buffer/discarded_best_of_n"] == 3
+        stats = await buf.stats()
+    cfg = load_config([], overrides={"monitoring": {"controller_metrics_port": 0}})
+    export = PrometheusExport(cfg)
+    try:
+        export.update(stats, trainer_step=0, running=[])
+        text = exposition(export.registry)[0].decode()
+        values = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+        assert values["asyncrl_buffer_groups_finished_total"] == 4
+        assert values["asyncrl_buffer_groups_zero_variance_total"] == 1
+        assert values['asyncrl_buffer_groups_dropped_total{reason="zero_variance"}'] == 1
+        assert values['asyncrl_buffer_samples_dropped_total{reason="best_of_n"}'] == 3
+    finally:
+        stop_metrics_server(export.port)
