@@ -118,7 +118,8 @@ def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
     """Check that every prompt group fed to the buffer is accounted for (no sample lost).
 
     ``fed = trained + in the buffer + dropped``: ``fed`` is the feeder's dataset cursor (one
-    group per prompt), ``trained`` the groups acknowledged by the trainer and committed by a
+    group per prompt) less the prompts the pass-rate filter skipped (``skipped_prompts:*``),
+    ``trained`` the groups acknowledged by the trainer and committed by a
     checkpoint (deleted from Redis then), ``in the buffer`` every live group by state (pending,
     generating, ready, batched, acked-not-yet-committed), ``dropped`` the groups dropped with a
     reason. A crash rewind replays uncommitted groups; they stay live, so the identity holds
@@ -130,14 +131,21 @@ def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
     Returns:
         ``(ok, text)``: whether the identity holds, and the numbers as one line.
     """
-    fed = int(stats.get("dataset_cursor", 0))
-    trained = int(stats.get("counters", {}).get("committed_groups", 0))
+    counters = stats.get("counters", {})
+    cursor = int(stats.get("dataset_cursor", 0))
+    skipped = sum(int(v) for k, v in counters.items() if k.startswith("skipped_prompts:"))
+    fed = cursor - skipped
+    trained = int(counters.get("committed_groups", 0))
     by_state = {k: int(v) for k, v in stats.get("groups_by_state", {}).items() if int(v)}
     live = sum(by_state.values())
     dropped = sum(int(v) for v in stats.get("dropped_by_reason", {}).values())
     ok = fed == trained + live + dropped
-    text = (f"fed {fed} = trained and committed {trained} + in the buffer {live} {by_state} + dropped {dropped}"
-            if ok else f"fed {fed} != trained and committed {trained} + in the buffer {live} {by_state} + dropped {dropped}")
+    text = (f"fed {fed} {'=' if ok else '!='} trained and committed {trained} + in the buffer {live} {by_state} "
+            f"+ dropped {dropped}")
+    if skipped:
+        text += f"; dataset cursor {cursor} = fed {fed} + prompts skipped by the pass-rate filter {skipped}"
+    if int(counters.get("discarded_best_of_n", 0)):
+        text += f"; best-of-n discarded {int(counters['discarded_best_of_n'])} samples of trained groups"
     return ok, text
 
 

@@ -238,3 +238,16 @@ async def test_zero_variance_share_reaches_the_step_records_and_prometheus(redis
         assert values['asyncrl_buffer_samples_dropped_total{reason="best_of_n"}'] == 3
     finally:
         stop_metrics_server(export.port)
+
+
+def test_controller_reconciliation_counts_skipped_prompts_and_discards():
+    from asyncrl.run_watch import reconcile_groups
+
+    stats = {"dataset_cursor": 20, "counters": {"committed_groups": 9, "skipped_prompts:pass_rate_filter": 4,
+                                                "discarded_best_of_n": 18},
+             "groups_by_state": {"ready": 1}, "dropped_by_reason": {"zero_variance": 6}}
+    ok, text = reconcile_groups(stats)
+    assert ok and text.startswith("fed 16 = trained and committed 9 + in the buffer 1"), text
+    assert "prompts skipped by the pass-rate filter 4" in text and "best-of-n discarded 18 samples" in text
+    ok, text = reconcile_groups({**stats, "dataset_cursor": 21})  # a position neither fed nor skipped
+    assert not ok and text.startswith("fed 17 != ")
