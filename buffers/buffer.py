@@ -349,7 +349,8 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         counts (a JSON object of at most 4096 bytes, docs/agents.md), kept on the sample.
 
         Returns:
-            the group's state afterwards (GENERATING, READY or DROPPED with ``reward_error``).
+            the group's state afterwards (GENERATING, READY, or DROPPED with ``reward_error`` or, with
+            dynamic sampling, ``zero_variance``).
 
         Raises:
             LeaseLost, InvalidTransition (not COMPLETE), BadRequest, UnknownItem: nothing changed.
