@@ -127,6 +127,19 @@ class AsyncRLConfig(_Section):
                 f"trainer.advantage={self.trainer.advantage} needs rollout.n_samples_per_prompt >= 2 "
                 f"(got {r.n_samples_per_prompt})"
             )
+        if r.generation_size is not None and r.generation_size < r.n_samples_per_prompt:
+            raise ValueError(
+                f"rollout.generation_size={r.generation_size} must be >= rollout.n_samples_per_prompt="
+                f"{r.n_samples_per_prompt} (best-of-n generates generation_size samples and trains the best n)"
+            )
+        if r.dynamic_sampling and r.n_samples_per_prompt < 2:
+            raise ValueError("rollout.dynamic_sampling drops groups whose rewards are all equal, which every group "
+                             "of one sample is: set rollout.n_samples_per_prompt >= 2 or turn it off")
+        if loss.overlong_buffer_len >= r.max_response_len:
+            raise ValueError(
+                f"trainer.loss.overlong_buffer_len={loss.overlong_buffer_len} must be below rollout.max_response_len="
+                f"{r.max_response_len} (the soft overlong penalty starts at max_response_len - overlong_buffer_len)"
+            )
         if self.trainer.kl_ctl.coef > 0 and self.trainer.advantage != "gae":
             raise ValueError(
                 f"trainer.kl_ctl.coef={self.trainer.kl_ctl.coef} puts a per-token KL penalty in the reward, which "

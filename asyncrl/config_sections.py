@@ -139,6 +139,10 @@ class DataConfig(_Section):
     """Absolute clip of the processed reward."""
     check_verifier_status: bool = True
     """Fail loudly when every reward of a train batch is zero (a broken verifier; AReaL's ``check_verifier_status``)."""
+    dataset_filter_threshold: float = Field(0.9, ge=-1e9, le=1e9)
+    """Pass-rate dataset filter (AReaL ``dataset_filter_threshold``): at the start of each epoch after the first, a train prompt whose last finished group had a mean reward above this is removed from the feeder's stream (at most ``dataset_max_filter_percentage`` of the remaining prompts per epoch, highest mean first). The removed prompts are stored in the buffer, so a resumed run keeps them out (docs/buffer.md#pass-rate-dataset-filter)."""
+    dataset_max_filter_percentage: float = Field(0.0, ge=0.0, le=1.0)
+    """Most prompts the pass-rate filter removes per epoch, as a share of the prompts still in the stream (AReaL ``dataset_max_filter_percentage``; 0: the filter is off; at least one prompt always stays)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,6 +164,10 @@ class RolloutConfig(_Section):
     """Port of the first launched server; 0-based server i listens on ``base_port + i`` (0 picks free ports in tests)."""
     n_samples_per_prompt: int = Field(8, ge=1, le=1024)
     """Samples per prompt group (GRPO needs at least 2)."""
+    generation_size: int | None = Field(None, ge=1, le=1024)
+    """Best-of-n (AReaL ``generation_size``): generate this many samples per prompt and train only the ``n_samples_per_prompt`` with the highest reward (ties: the longer response, then the lower sample index); the others are counted ``discarded_best_of_n``. None or equal to n: off; must be >= n."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (Yu et al. 2025, arXiv:2503.14476): a finished group whose trained samples all have the same reward carries no GRPO signal and is dropped (reason ``zero_variance``) instead of trained; admission control refills its slot, so batches are formed from informative groups only. Needs n >= 2."""
     rollout_batch_size: int = Field(16, ge=1)
     """R: prompt groups per rollout batch; the cap on groups being generated (READY groups do not count)."""
     partial_percent: float = Field(1.0, gt=0.0, le=1.0)
@@ -258,6 +266,10 @@ class LossConfig(_Section):
     """Give samples that did not end with EOS (truncated) reward 0 before advantage estimation (AReaL)."""
     mask_too_long: bool = False
     """Drop samples that reached ``max_response_len`` from the loss."""
+    overlong_buffer_len: int = Field(0, ge=0, le=1_000_000)
+    """L_cache of DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, section 3.4): a response longer than ``max_response_len - L_cache`` tokens gets ``overlong_penalty_factor * ((L_max - L_cache) - |y|) / L_cache`` added to its reward (reaching -1 x factor at L_max = ``rollout.max_response_len``). 0: off; must be below ``max_response_len``."""
+    overlong_penalty_factor: float = Field(1.0, gt=0.0, le=100.0)
+    """Scale of the soft overlong penalty (verl's ``overlong_buffer.penalty_factor``; DAPO uses 1)."""
     correction: Literal["decoupled", "tis", "mask_stale", "none"] = "decoupled"
     """Off-policy correction for stale tokens: decoupled PPO (AReaL), truncated IS, masking old-version tokens, or none."""
     importance_weight_cap: float = Field(5.0, gt=1.0)

@@ -16,6 +16,12 @@ exactly the next prompt. Group ids are ``p<cursor>``.
 
 A prompt too long for ``max_response_len`` in the model's context stops the feeder with an
 error naming the prompt and the fix (the run then stops: nothing is half-fed).
+
+With best-of-n each group asks for ``rollout.generation_size`` samples. With the pass-rate
+dataset filter (``data.dataset_max_filter_percentage`` > 0, :mod:`asyncrl.prompt_filter`) the
+positions of removed prompts are skipped: one feed call feeds a run of kept prompts and moves
+the cursor past the removed ones right after it (counted ``skipped_prompts:pass_rate_filter``),
+never across an epoch boundary, where the filter runs first.
 """
 
 from __future__ import annotations
@@ -45,19 +51,23 @@ class Feeder:
     Args:
         buffer: an open :class:`buffers.ReplayBuffer`.
         stream: the :class:`asyncrl.tasks.TrainPromptStream` of the run.
-        n_samples: samples per prompt group (``rollout.n_samples_per_prompt``).
+        n_samples: samples generated per prompt group (``rollout.generation_size`` with best-of-n, else
+            ``rollout.n_samples_per_prompt``: ``BufferSettings.samples_generated``).
         target_pending: groups kept pending (default: R).
         max_prompt_tokens: longest prompt allowed (context − ``max_response_len``); None: no check.
+        prompt_filter: an :class:`asyncrl.prompt_filter.PassRateFilter`, or None (no filter).
     """
 
     def __init__(self, buffer: Any, stream: Any, n_samples: int, target_pending: int,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None, prompt_filter: Any = None) -> None:
         self.buffer = buffer
         self.stream = stream
         self.n_samples = n_samples
         self.target_pending = target_pending
         self.max_prompt_tokens = max_prompt_tokens
+        self.prompt_filter = prompt_filter if prompt_filter is not None and prompt_filter.enabled else None
         self.fed_groups = 0
+        self.skipped_prompts = 0
 
     def groups_at(self, cursor: int, count: int) -> list[Any]:
         """The prompt groups for dataset positions ``cursor .. cursor + count - 1``.
@@ -81,7 +91,8 @@ class Feeder:
         return groups
 
     async def feed_once(self) -> int:
-        """Top the pending queue up to ``target_pending``; returns the number of groups fed.
+        """Top the pending queue up to ``target_pending``; returns the groups fed plus the removed
+        prompts skipped (0: nothing to do).
 
         A concurrent feed (another feeder) moves the cursor under us: the attempt is dropped
         (``CursorMismatch``, nothing written) and 0 is returned; the next call re-reads.
@@ -92,18 +103,37 @@ class Feeder:
         if missing <= 0:
             return 0
         cursor = await self.buffer.dataset_cursor()
-        groups = self.groups_at(cursor, missing)
+        skip = 0
+        if self.prompt_filter is None:
+            groups = self.groups_at(cursor, missing)
+        else:
+            await self.prompt_filter.refresh(cursor)
+            kept, skip = self._plan(cursor, missing)
+            groups = self.groups_at(cursor, kept)
         try:
-            await self.buffer.feed(groups, cursor)
+            await self.buffer.feed(groups, cursor, skip=skip)
         except CursorMismatch:
             return 0
         self.fed_groups += len(groups)
-        return len(groups)
+        self.skipped_prompts += skip
+        return len(groups) + skip
+
+    def _plan(self, cursor: int, count: int) -> tuple[int, int]:
+        """(prompts kept from ``cursor`` on, removed prompts right after them): at most ``count``
+        kept, stopping at the end of the epoch (the filter runs again there)."""
+        epoch_end = (cursor // len(self.stream) + 1) * len(self.stream)
+        c, kept = cursor, 0
+        while c < epoch_end and kept < count and not self.prompt_filter.skips(c):
+            c, kept = c + 1, kept + 1
+        end = c
+        while end < epoch_end and self.prompt_filter.skips(end):
+            end += 1
+        return kept, end - c
 
     async def run(self, stop: asyncio.Event, poll_seconds: float = 0.1) -> None:
         """Feed until ``stop`` is set."""
         while not stop.is_set():
-            fed = await self.feed_once()
+            fed = await self.feed_once()  # groups fed + prompts skipped
             if not fed:
                 await wait_event(stop, poll_seconds)  # not wait_for: see asyncrl.aio
 
@@ -126,8 +156,12 @@ async def _run(cfg: Any) -> int:
     stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.run.seed)
     buf = await ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
     try:
-        feeder = Feeder(buf, stream, cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size,
-                        max_prompt_tokens=context - cfg.rollout.max_response_len)
+        from asyncrl.prompt_filter import PassRateFilter
+
+        prompt_filter = PassRateFilter(buf, stream, cfg.data.dataset_filter_threshold,
+                                       cfg.data.dataset_max_filter_percentage)
+        feeder = Feeder(buf, stream, buf.settings.samples_generated, cfg.rollout.rollout_batch_size,
+                        max_prompt_tokens=context - cfg.rollout.max_response_len, prompt_filter=prompt_filter)
         print(f"asyncrl feeder: feeding run {cfg.run.name!r} from cursor {await buf.dataset_cursor()}", flush=True)
         await feeder.run(stop)
         print(f"asyncrl feeder: stopped after feeding {feeder.fed_groups} groups; cursor "

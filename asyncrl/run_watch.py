@@ -118,7 +118,8 @@ def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
     """Check that every prompt group fed to the buffer is accounted for (no sample lost).
 
     ``fed = trained + in the buffer + dropped``: ``fed`` is the feeder's dataset cursor (one
-    group per prompt), ``trained`` the groups acknowledged by the trainer and committed by a
+    group per prompt) less the prompts the pass-rate filter skipped (``skipped_prompts:*``),
+    ``trained`` the groups acknowledged by the trainer and committed by a
     checkpoint (deleted from Redis then), ``in the buffer`` every live group by state (pending,
     generating, ready, batched, acked-not-yet-committed), ``dropped`` the groups dropped with a
     reason. A crash rewind replays uncommitted groups; they stay live, so the identity holds
@@ -130,14 +131,21 @@ def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
     Returns:
         ``(ok, text)``: whether the identity holds, and the numbers as one line.
     """
-    fed = int(stats.get("dataset_cursor", 0))
-    trained = int(stats.get("counters", {}).get("committed_groups", 0))
+    counters = stats.get("counters", {})
+    cursor = int(stats.get("dataset_cursor", 0))
+    skipped = sum(int(v) for k, v in counters.items() if k.startswith("skipped_prompts:"))
+    fed = cursor - skipped
+    trained = int(counters.get("committed_groups", 0))
     by_state = {k: int(v) for k, v in stats.get("groups_by_state", {}).items() if int(v)}
     live = sum(by_state.values())
     dropped = sum(int(v) for v in stats.get("dropped_by_reason", {}).values())
     ok = fed == trained + live + dropped
-    text = (f"fed {fed} = trained and committed {trained} + in the buffer {live} {by_state} + dropped {dropped}"
-            if ok else f"fed {fed} != trained and committed {trained} + in the buffer {live} {by_state} + dropped {dropped}")
+    text = (f"fed {fed} {'=' if ok else '!='} trained and committed {trained} + in the buffer {live} {by_state} "
+            f"+ dropped {dropped}")
+    if skipped:
+        text += f"; dataset cursor {cursor} = fed {fed} + prompts skipped by the pass-rate filter {skipped}"
+    if int(counters.get("discarded_best_of_n", 0)):
+        text += f"; best-of-n discarded {int(counters['discarded_best_of_n'])} samples of trained groups"
     return ok, text
 
 
@@ -261,6 +269,11 @@ class BufferWatcher:
             "buffer/appended_tokens": counters.get("appended_tokens", 0),
             "buffer/acked_groups": counters.get("acked_groups", 0),
         }
+        # best-of-n, dynamic sampling, pass-rate filter (buffers.inspection.sampling_counts):
+        # zero_variance_share is over every group finished so far, whether or not it was dropped
+        for key, value in st.get("sampling", {}).items():
+            m[f"buffer/{key}"] = value
+        m["buffer/filtered_prompts"] = counters.get("filtered_prompts:pass_rate", 0)
         # states seen once keep being reported (as 0) so displays never show a stale count
         for kind in ("groups", "samples"):
             counts = st.get(f"{kind}_by_state", {})
@@ -314,7 +327,7 @@ class PrometheusExport:
 
     #: The buffer's reason codes (buffers/lua) -> the closed sets of ``asyncrl.metrics``.
     BUFFER_REASONS = {"stale_resume": "stale", "stale_batch": "stale", "abandoned_version": "lineage",
-                      "reward_error": "reward_error"}
+                      "reward_error": "reward_error", "zero_variance": "zero_variance"}
 
     def _delta(self, key: str, total: int) -> int:
         """Increase of the buffer counter ``key`` since the last poll (the buffer keeps totals in Redis)."""
@@ -339,6 +352,12 @@ class PrometheusExport:
                 self.buf.restarted(reason, groups=n)
             elif kind == "reclaimed_leases":
                 self.buf.reclaimed.inc(n)
+            elif kind == "discarded_best_of_n":
+                self.buf.dropped("best_of_n", samples=n)
+            elif kind == "finished_groups":
+                self.buf.groups_finished.inc(n)
+            elif kind == "zero_variance_groups":
+                self.buf.groups_zero_variance.inc(n)
         admitted = self._delta("admitted_groups", int(stats.get("admitted_groups", 0)))
         if admitted:
             self.buf.groups_admitted.inc(admitted)

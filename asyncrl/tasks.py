@@ -438,6 +438,13 @@ class TrainPromptStream:
             self._epoch, self._order = epoch, order
         return self._order
 
+    def problem_index(self, cursor: int) -> int:
+        """Index of the train problem at ``cursor`` (>= 0): the same problem in every epoch has the same index."""
+        if cursor < 0:
+            raise ValueError(f"cursor must be >= 0, got {cursor}")
+        epoch, pos = divmod(cursor, self.task.num_train())
+        return self._order_for(epoch)[pos]
+
     def get(self, cursor: int) -> Prompt:
         """The prompt at ``cursor`` (>= 0)."""
         if cursor < 0:

@@ -63,6 +63,10 @@ class SampleStatus(str, Enum):
 
     docs/architecture.md#failed-samples.
     """
+    DISCARDED = "discarded"
+    """Scored, but not among the best ``rollout.n_samples_per_prompt`` of its group when best-of-n
+    (``rollout.generation_size`` > n) is on: kept in the buffer for inspection, never trained,
+    counted as ``discarded_best_of_n`` (docs/buffer.md#best-of-n-and-dynamic-sampling)."""
 
 
 class GroupState(str, Enum):

@@ -52,6 +52,7 @@ from buffers.errors import (
 )
 from buffers.inspection import BufferInspection
 from buffers.keys import GROUP_ID, SCHEMA_VERSION, key_prefix
+from buffers.pass_rates import PassRateStore
 from buffers.scripts import Coalescer, Scripts, _s, decode_error
 
 # The settings live in buffers/settings.py; these names stay importable from here.
@@ -78,11 +79,12 @@ def _decode_score(reply: Any) -> Any:
     return GroupState(_s(reply))
 
 
-class ReplayBuffer(BufferInspection):
+class ReplayBuffer(BufferInspection, PassRateStore):
     """Client of one run's replay buffer. Create with :meth:`open`; see docs/buffer.md.
 
     Reading groups, samples and stats (``get_group``, ``get_sample``, ``stats``,
-    ``dropped_groups``) comes from :class:`buffers.inspection.BufferInspection`.
+    ``dropped_groups``, ``books``) comes from :class:`buffers.inspection.BufferInspection`; the
+    pass-rate filter's keys from :class:`buffers.pass_rates.PassRateStore`.
     """
 
     def __init__(self, redis: Any, run: str, settings: BufferSettings, owns_client: bool) -> None:
@@ -190,8 +192,12 @@ class ReplayBuffer(BufferInspection):
         """Groups fed but not admitted yet (feed while this is below R)."""
         return int(await self.redis.llen(self.prefix + "pending"))
 
-    async def feed(self, groups: Sequence[PromptGroup], start_cursor: int) -> int:
-        """Append ``groups`` and move the dataset cursor to ``start_cursor + len(groups)``, atomically.
+    async def feed(self, groups: Sequence[PromptGroup], start_cursor: int, skip: int = 0) -> int:
+        """Append ``groups`` and move the dataset cursor to ``start_cursor + len(groups) + skip``, atomically.
+
+        ``skip``: dataset positions right after the groups that are not fed because the pass-rate
+        filter removed their prompts (counted ``skipped_prompts:pass_rate_filter``), so that
+        cursor = groups fed + prompts skipped.
 
         Returns:
             the new cursor.
@@ -199,8 +205,10 @@ class ReplayBuffer(BufferInspection):
         Raises:
             CursorMismatch: the stored cursor is not ``start_cursor`` (nothing written).
             DuplicateItem: a group id exists already (nothing written).
-            BadRequest: bad group id, empty prompt or n outside [1, 1024].
+            BadRequest: bad group id, empty prompt, n outside [1, 1024] or a negative ``skip``.
         """
+        if skip < 0:
+            raise BadRequest(f"skip must be >= 0, got {skip}")
         args: list[Any] = [int(start_cursor), len(groups)]
         for g in groups:
             if not GROUP_ID.match(g.group_id):
@@ -212,11 +220,11 @@ class ReplayBuffer(BufferInspection):
             args += [g.group_id, pack_i32(g.prompt_ids), json.dumps(g.metadata), int(g.n_samples)]
         if len({g.group_id for g in groups}) != len(groups):
             raise BadRequest("feed got the same group_id twice")
-        return int(await self._run("feed", *args))
+        return int(await self._run("feed", *args, int(skip)))
 
     def make_group(self, group_id: str, prompt_ids: Sequence[int], metadata: dict | None = None) -> PromptGroup:
-        """A :class:`PromptGroup` with this run's ``n_samples_per_prompt``."""
-        return PromptGroup(group_id, list(prompt_ids), dict(metadata or {}), self.settings.n_samples_per_prompt)
+        """A :class:`PromptGroup` generating this run's ``samples_generated`` (G with best-of-n, else n)."""
+        return PromptGroup(group_id, list(prompt_ids), dict(metadata or {}), self.settings.samples_generated)
 
     # ------------------------------------------------------------------ rollout worker
     async def claim(self, worker_id: str, max_items: int = 1) -> list[WorkItem]:
@@ -341,7 +349,8 @@ class ReplayBuffer(BufferInspection):
         counts (a JSON object of at most 4096 bytes, docs/agents.md), kept on the sample.
 
         Returns:
-            the group's state afterwards (GENERATING, READY or DROPPED with ``reward_error``).
+            the group's state afterwards (GENERATING, READY, or DROPPED with ``reward_error`` or, with
+            dynamic sampling, ``zero_variance``).
 
         Raises:
             LeaseLost, InvalidTransition (not COMPLETE), BadRequest, UnknownItem: nothing changed.

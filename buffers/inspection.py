@@ -16,7 +16,25 @@ from asyncrl.types import GroupState, PromptGroup, Sample, SampleStatus, Segment
 from buffers.errors import MalformedData, UnknownItem
 from buffers.scripts import _s
 
-__all__ = ["BufferInspection"]
+__all__ = ["BufferInspection", "sampling_counts"]
+
+
+def sampling_counts(counters: dict[str, int]) -> dict[str, Any]:
+    """Best-of-n, dynamic sampling and pass-rate filter counts from the buffer's ``stats`` counters.
+
+    ``zero_variance_share`` = groups whose trained samples all had the same reward / groups that
+    finished with at least min(2, n) scored samples (counted whether or not dynamic sampling drops
+    them; 0.0 before any group finished).
+    """
+    finished = counters.get("finished_groups", 0)
+    zero = counters.get("zero_variance_groups", 0)
+    return {
+        "finished_groups": finished,
+        "zero_variance_groups": zero,
+        "zero_variance_share": zero / finished if finished else 0.0,
+        "discarded_best_of_n": counters.get("discarded_best_of_n", 0),
+        "skipped_prompts": sum(v for k, v in counters.items() if k.startswith("skipped_prompts:")),
+    }
 
 _SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort", 6: "turn", 7: "obs"}
 
@@ -191,8 +209,38 @@ class BufferInspection:
             "last_acked_step": int(last_acked) if last_acked is not None else None,
             "committed_step": int(committed) if committed is not None else None,
             "counters": counters,
+            "sampling": sampling_counts(counters),
             "settings": asdict(self.settings),
         }
+
+    async def books(self) -> dict[str, Any]:
+        """The reconciliation of the run's prompts and groups, by reason (docs/buffer.md#the-books).
+
+        ``cursor = fed + skipped`` (prompts the pass-rate filter kept out) and ``fed = committed +
+        dropped + live + pending``, where ``dropped`` is by reason (``zero_variance`` for dynamic
+        sampling among them); best-of-n discards samples, not groups, and is reported beside.
+        ``balanced`` is True when both equations hold; read while roles run, a group may move between
+        two reads, so call it on a quiet run.
+        """
+        p = self.prefix
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(p + "cursor")
+            pipe.hgetall(p + "stats")
+            pipe.hlen(p + "dropped")
+            pipe.zcard(p + "groups")
+            pipe.llen(p + "pending")
+            cursor, counters, dropped, live, pending = await pipe.execute()
+        counters = {_s(k): int(v) for k, v in counters.items()}
+        cursor = int(cursor or 0)
+        fed = counters.get("fed", 0)
+        skipped = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("skipped_prompts:")}
+        by_reason = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("dropped_groups:")}
+        committed = counters.get("committed_groups", 0)
+        balanced = (cursor == fed + sum(skipped.values()) and fed == committed + dropped + live + pending
+                    and sum(by_reason.values()) == dropped)
+        return {"cursor": cursor, "fed": fed, "skipped_by_reason": skipped, "committed_groups": committed,
+                "dropped_groups": dropped, "dropped_by_reason": by_reason, "live_groups": live,
+                "pending_groups": pending, **sampling_counts(counters), "balanced": balanced}
 
     async def dropped_groups(self) -> dict[str, str]:
         """Every dropped group id and its reason."""

@@ -38,6 +38,17 @@ class BufferSettings:
         lease_seconds: a claim not renewed (append/renew) for this long is reclaimed.
         flush_tokens: tokens per appended chunk (used by workers; recorded for tools).
         batches_per_version: train steps per published version (``weight_sync.interval``).
+        generation_size: G, samples generated per group when best-of-n is on (``rollout.generation_size``):
+            0 = n (off); else n <= G <= 1024 and only the best n by reward are trained, the rest
+            are DISCARDED (AReaL ``generation_size``; docs/buffer.md#best-of-n-and-dynamic-sampling).
+        dynamic_sampling: drop a group whose trained samples all have the same reward (reason
+            ``zero_variance``) instead of making it READY (DAPO dynamic sampling, Yu et al. 2025,
+            arXiv:2503.14476, section 3.2); ``rollout.dynamic_sampling``.
+        record_pass_rates: record each finished group's mean reward in ``pass_rates`` for the
+            feeder's pass-rate dataset filter (on when ``data.dataset_max_filter_percentage`` > 0).
+
+    These three are not Lua arguments: the scripts read them from the stored settings JSON
+    when a group finishes (``run_settings()`` in ``lua/settings.lua``).
 
     Raises:
         BadRequest: a value is out of range (message names it).
@@ -53,6 +64,9 @@ class BufferSettings:
     lease_seconds: float = 30.0
     flush_tokens: int = 16
     batches_per_version: int = 1
+    generation_size: int = 0
+    dynamic_sampling: bool = False
+    record_pass_rates: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -66,13 +80,17 @@ class BufferSettings:
             ("lease_seconds", self.lease_seconds > 0),
             ("flush_tokens", self.flush_tokens >= 1),
             ("batches_per_version", self.batches_per_version >= 1),
+            ("generation_size", self.generation_size == 0
+             or self.n_samples_per_prompt <= self.generation_size <= 1024),
+            ("dynamic_sampling", not self.dynamic_sampling or self.n_samples_per_prompt >= 2),
         ]
         bad = [name for name, ok in checks if not ok]
         if bad:
             raise BadRequest(
                 f"invalid buffer settings {bad}: need R >= 1, 1 <= B <= R, 1 <= n <= 1024, M >= 1, "
                 f"max_response_len >= 1, eta >= 0, stale_policy in {STALE_POLICIES}, lease_seconds > 0, "
-                f"flush_tokens >= 1, batches_per_version >= 1 (got {self})"
+                f"flush_tokens >= 1, batches_per_version >= 1, generation_size 0 or in [n, 1024], "
+                f"dynamic_sampling only with n >= 2 (got {self})"
             )
 
     @classmethod
@@ -91,6 +109,9 @@ class BufferSettings:
             lease_seconds=b.lease_seconds,
             flush_tokens=b.flush_tokens,
             batches_per_version=cfg.weight_sync.interval,
+            generation_size=r.generation_size or 0,
+            dynamic_sampling=r.dynamic_sampling,
+            record_pass_rates=cfg.data.dataset_max_filter_percentage > 0,
         )
 
     @classmethod
@@ -110,6 +131,11 @@ class BufferSettings:
             self.max_budget_tokens, self.max_response_len, self.max_staleness, self.stale_policy,
             int(round(self.lease_seconds * 1000)), self.batches_per_version,
         ]
+
+    @property
+    def samples_generated(self) -> int:
+        """Samples generated per prompt group: G with best-of-n, else n."""
+        return max(self.generation_size, self.n_samples_per_prompt)
 
     def to_json(self) -> str:
         """Canonical JSON (stored as ``<prefix>settings``)."""

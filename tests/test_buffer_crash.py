@@ -117,6 +117,8 @@ async def reconcile(url: str, run: str, ckpt_path: Path, kills: dict) -> dict:
         assert st["queues"]["live_groups"] == 0 and st["groups_by_state"]["pending"] == 0, st
         assert st["counters"]["fed"] == TOTAL  # the feeder neither skipped nor repeated
         assert sum(st["dropped_by_reason"].values()) == len(dropped)
+        books = await buf.books()
+        assert books["balanced"] and books["committed_groups"] == len(trained), books
         return {"trained": len(trained), "dropped": len(dropped), "kills": kills, "lineage": st["lineage"]}
     finally:
         await buf.close()
@@ -128,6 +130,19 @@ def test_crash_rounds_quick(redis_server, tmp_path):
     r2 = run_round(redis_server, tmp_path, seed=2, kill_redis=True)
     assert r1["kills"]["w0"] + r1["kills"]["trainer"] >= 1
     assert r2["kills"].get("redis") == 1
+
+
+def test_crash_round_with_best_of_n_and_dynamic_sampling(redis_server, tmp_path, monkeypatch):
+    """One round (with a redis-server kill) where groups generate 3 samples, train the best 2 and
+    groups with equal kept rewards are dropped (zero_variance): the books still balance."""
+    monkeypatch.setenv("ASYNCRL_TEST_SAMPLING", "1")
+    r = run_round(redis_server, tmp_path, seed=3, kill_redis=True)
+    st = asyncio.run(_stats(redis_server.url, "crash3"))
+    assert st["settings"]["generation_size"] == 3 and st["counters"]["discarded_best_of_n"] > 0, st
+    assert st["counters"]["finished_groups"] >= r["trained"], st
+    # rewards depend only on the sample id: 7 of the 12 groups have equal best two
+    assert st["dropped_by_reason"].get("zero_variance") == 7, st
+    assert r["trained"] + r["dropped"] == TOTAL
 
 
 @pytest.mark.slow

@@ -235,3 +235,29 @@ def test_prepare_batch_errors_name_the_sample():
         smp["error"] = "verifier crashed"
     with pytest.warns(UserWarning, match="reward_error"), pytest.raises(BatchError, match="no trainable group"):
         prepare_batch([g], _cfg(), 3)
+
+
+def test_overlong_penalty_follows_dapo():
+    from trainer.advantages import overlong_penalty
+
+    # L_max = 10, L_cache = 4: 0 up to 6 tokens, then ((10 - 4) - |y|) / 4, -1 at 10 and beyond
+    pen = overlong_penalty(torch.tensor([0, 6, 7, 8, 10, 11]), max_len=10, cache_len=4)
+    assert pen.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(torch.tensor([8]), 10, 4, factor=0.5).tolist() == [-0.25]
+    for bad in (0, 10):
+        with pytest.raises(ValueError, match="overlong_buffer_len"):
+            overlong_penalty(torch.tensor([1]), 10, bad)
+
+
+def test_overlong_penalty_is_added_to_the_reward_before_advantages():
+    cfg = load_config([], overrides={"trainer": {"advantage": "dr_grpo", "loss": {"overlong_buffer_len": 2}},
+                                     "rollout": {"n_samples_per_prompt": 2, "max_response_len": 4},
+                                     "buffer": {"max_staleness": 2}})
+    group = _group(rewards=(1.0, 1.0))
+    group["samples"][1]["response_ids"] = [10, 11, 12, 13]  # at L_max: -1
+    group["samples"][1]["behaviour_logprobs"] = [-1.0] * 4
+    group["samples"][1]["versions"] = [3] * 4
+    batch = prepare_batch([group], cfg, policy_version=3)
+    assert [s.reward for s in batch.samples] == [1.0, 0.0]  # 2 tokens: no penalty (<= L_max - L_cache)
+    assert batch.samples[0].advantages.tolist() == [0.5, 0.5]
+    assert [s.reward for s in prepare_batch([group], _cfg(), 3).samples] == [1.0, 1.0]  # off by default

@@ -51,6 +51,7 @@ __all__ = [
     "rloo",
     "reinforce_pp",
     "process_rewards",
+    "overlong_penalty",
     "group_advantages",
 ]
 
@@ -141,6 +142,34 @@ def reinforce_pp(rewards_N: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if r.numel() == 1:
         return torch.zeros(1)
     return ((r - r.mean()) / (r.std(unbiased=True) + eps)).float()
+
+
+def overlong_penalty(lengths_N: torch.Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, section 3.4), added to the reward.
+
+    ``R_length(y) = 0`` if ``|y| <= L_max - L_cache``; ``((L_max - L_cache) - |y|) / L_cache`` if
+    ``L_max - L_cache < |y| <= L_max``; ``-1`` if ``|y| > L_max``; times ``factor`` (verl's
+    ``overlong_buffer.penalty_factor``; DAPO uses 1). Responses never exceed ``max_response_len``
+    here, so the penalty reaches ``-factor`` exactly at ``L_max``.
+
+    Args:
+        lengths_N: (N,) response lengths in tokens.
+        max_len: L_max = ``rollout.max_response_len``.
+        cache_len: L_cache = ``trainer.loss.overlong_buffer_len``, 0 < L_cache < L_max.
+        factor: ``trainer.loss.overlong_penalty_factor``.
+
+    Returns:
+        (N,) float32 penalties in [-factor, 0].
+
+    Raises:
+        ValueError: ``cache_len`` outside (0, max_len).
+    """
+    if not 0 < cache_len < max_len:
+        raise ValueError(f"overlong penalty needs 0 < overlong_buffer_len < max_response_len, got {cache_len}, {max_len}")
+    lengths = lengths_N.to(torch.float64)
+    soft = ((max_len - cache_len) - lengths) / cache_len
+    pen = torch.where(lengths > max_len, torch.full_like(lengths, -1.0), soft.clamp(max=0.0))
+    return (pen * factor).float()
 
 
 def process_rewards(

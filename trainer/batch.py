@@ -17,6 +17,8 @@ Loss masks (per response token):
   overlong filtering, AReaL ``mask_too_long``); they still count in their group's baseline;
 - ``mask_no_eos_with_zero``: samples that did not end with EOS get reward 0 before advantage
   estimation (AReaL ``get_packed_rewards``);
+- ``overlong_buffer_len`` > 0: DAPO's soft overlong punishment is added to the raw reward
+  (after ``mask_no_eos_with_zero``, before bias/scale/clip; :func:`trainer.advantages.overlong_penalty`);
 - ``correction == mask_stale``: tokens whose policy version is older than the weights being
   trained get mask 0 (slime ``--mask-offpolicy-in-partial-rollout``);
 - episodes of multi-turn workflows: environment tokens get mask 0 (trainer/episodes.py,
@@ -36,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from asyncrl.rewards import check_verifier_status
-from trainer.advantages import group_advantages, process_rewards
+from trainer.advantages import group_advantages, overlong_penalty, process_rewards
 from trainer.episodes import apply_grouping_hook, check_stepwise_mode, env_mask, episode_layout, expand_stepwise
 
 __all__ = [
@@ -313,6 +315,10 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
         raw = torch.tensor([float(s.reward) if s.reward is not None else 0.0 for s in g.samples])
         if loss_cfg.mask_no_eos_with_zero:
             raw = torch.where(torch.tensor([s.eos for s in g.samples]), raw, torch.zeros_like(raw))
+        if loss_cfg.overlong_buffer_len > 0:
+            lengths = torch.tensor([len(s.response_ids) for s in g.samples])
+            raw = raw + overlong_penalty(lengths, cfg.rollout.max_response_len, loss_cfg.overlong_buffer_len,
+                                         loss_cfg.overlong_penalty_factor)
         rewards.append(process_rewards(raw, bias=dcfg.reward_bias, scale=dcfg.reward_scale, clip=dcfg.reward_clip))
     if tcfg.advantage == "gae":
         # placeholders: the critic (trainer/critic.py) sets per-token GAE advantages in begin_step

@@ -88,6 +88,17 @@ class BufferMetrics:
         self.reclaimed = Counter(
             "asyncrl_buffer_work_reclaimed", "Claimed work of a silent worker reclaimed after the lease (XAUTOCLAIM).", registry=r
         )
+        self.groups_finished = Counter(
+            "asyncrl_buffer_groups_finished",
+            "Prompt groups whose samples were all scored or failed with enough scored to train (before dynamic sampling).",
+            registry=r,
+        )
+        self.groups_zero_variance = Counter(
+            "asyncrl_buffer_groups_zero_variance",
+            "Finished prompt groups whose trained samples all had the same reward (no GRPO signal; DAPO dynamic "
+            "sampling drops them when on).",
+            registry=r,
+        )
         for counter in (self.samples_dropped, self.groups_dropped):
             _zero(counter, DROP_REASONS)
         for counter in (self.samples_restarted, self.groups_restarted):

@@ -38,7 +38,8 @@ SAMPLE_STATES: tuple[str, ...] = ("queued", "generating", "partial", "scoring", 
 GROUP_STATES: tuple[str, ...] = ("in_flight", "ready", "claimed", "acknowledged")
 #: Why a sample or group left the run untrained (docs/architecture.md: the stale policies of
 #: #the-three-knobs, #failed-samples, #acknowledgement-and-recovery).
-DROP_REASONS: tuple[str, ...] = ("stale", "reward_error", "invalid", "lineage", "too_long")
+DROP_REASONS: tuple[str, ...] = ("stale", "reward_error", "invalid", "lineage", "too_long", "zero_variance",
+                                 "best_of_n")
 #: Why a sample or group was regenerated from its pristine prompt.
 RESTART_REASONS: tuple[str, ...] = ("stale", "lineage", "lease_expired")
 #: Outcome of scoring one sample (accuracy = correct / (correct + incorrect)).

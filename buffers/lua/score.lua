@@ -1,6 +1,10 @@
 -- score: for each of ARGV[12] items, the reward (or reward-function failure) of a COMPLETE
 -- sample; a group becomes READY when all its samples are scored or failed (>= min(2, n)
 -- scored), else it is dropped (reward_error). Items are independent and validated before writing.
+-- When the group finishes (finish_group): best-of-n keeps the best NSAMP scored samples of a group
+-- of n > NSAMP (the rest DISCARDED, counted discarded_best_of_n); a group whose kept rewards are
+-- all equal is counted zero_variance_groups and, with dynamic sampling, dropped (zero_variance);
+-- with record_pass_rates the group's mean reward over every scored sample goes to pass_rates.
 -- A failed sample is counted in failed_samples and in failed_samples:<reason> (reward_timeout when
 -- the error starts with 'RewardTimeout:', workflow_error when it starts with 'WorkflowError:' (an
 -- episode's workflow raised, docs/agents.md), else reward_error).
@@ -8,6 +12,66 @@
 -- advantages, info (a JSON object of an episode's termination and counts, '' for none; <= 4096 bytes).
 -- Result per item: the group state string, or the error string '!<CODE> <message>'.
 local function fail(code, msg) return '!' .. code .. ' ' .. msg end
+local _cfg
+-- The stored settings (JSON, equal to the client's): generation_size, dynamic_sampling and
+-- record_pass_rates are read here instead of being Lua arguments.
+local function run_settings()
+  if not _cfg then _cfg = cjson.decode(redis.call('GET', k('settings')) or '{}') end
+  return _cfg
+end
+-- Every sample of group `gid` (n samples, ns scored) is scored or failed, ns >= min(2, n).
+-- Returns 'ready' or 'dropped'.
+local function finish_group(gid, gk, n, ns, seq)
+  local cfg = run_settings()
+  local scored = {}
+  local total = 0
+  for i = 0, n - 1 do
+    local sid = gid .. '/' .. i
+    local f = redis.call('HMGET', skey(sid), 'status', 'reward', 'ids')
+    if f[1] == 'scored' then
+      local r = tonumber(f[2])
+      scored[#scored + 1] = {i = i, r = r, len = #(f[3] or '') / 4, sid = sid}
+      total = total + r
+    end
+  end
+  if cfg.record_pass_rates then
+    redis.call('HSET', k('pass_rates'), gid, string.format('%.17g', total / #scored))
+  end
+  -- best-of-n (AReaL generation_size): reward descending, then longer response first (AReaL's
+  -- topk key), then lower sample index (deterministic)
+  local keep = #scored
+  if (tonumber(cfg.generation_size) or 0) > NSAMP and #scored > NSAMP then
+    table.sort(scored, function(a, b)
+      if a.r ~= b.r then return a.r > b.r end
+      if a.len ~= b.len then return a.len > b.len end
+      return a.i < b.i
+    end)
+    keep = NSAMP
+  end
+  stat('finished_groups')
+  local equal = keep >= 2
+  for j = 2, keep do
+    if scored[j].r ~= scored[1].r then equal = false break end
+  end
+  if equal then
+    stat('zero_variance_groups')
+    if cfg.dynamic_sampling then
+      drop_group(gid, 'zero_variance')  -- DAPO dynamic sampling: no GRPO signal, not trained
+      return 'dropped'
+    end
+  end
+  if keep < #scored then
+    for j = keep + 1, #scored do
+      redis.call('HSET', skey(scored[j].sid), 'status', 'discarded', 'updated', NOW)
+    end
+    redis.call('HSET', gk, 'n_scored', keep, 'n_discarded', #scored - keep)
+    stat('discarded_best_of_n', #scored - keep)
+  end
+  redis.call('HSET', gk, 'state', 'ready', 'ready_ms', NOW)
+  redis.call('ZADD', k('ready'), seq, gid)
+  stat('ready_groups')
+  return 'ready'
+end
 local function one(sid, token, kind, value, advk, adv, info)
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'gid', 'ids')
@@ -48,11 +112,9 @@ local function one(sid, token, kind, value, advk, adv, info)
   local n = tonumber(g[1])
   if ns + nf == n then
     if ns >= math.min(2, n) then
-      redis.call('HSET', gk, 'state', 'ready', 'ready_ms', NOW)
-      redis.call('ZADD', k('ready'), tonumber(g[4]), f[3])
-      stat('ready_groups')
-      admit()  -- a READY group no longer holds a rollout slot: admit the next one now
-      return 'ready'
+      local state = finish_group(f[3], gk, n, ns, tonumber(g[4]))
+      admit()  -- a READY (or dropped) group no longer holds a rollout slot: admit the next one now
+      return state
     end
     drop_group(f[3], 'reward_error')
     admit()

@@ -91,7 +91,7 @@ local function restart_group(gid, reason)
   local gk = gkey(gid)
   local n = tonumber(redis.call('HGET', gk, 'n') or '0')
   for i = 0, n - 1 do reset_sample(gid .. '/' .. i, reason) end
-  redis.call('HSET', gk, 'state', 'generating', 'n_scored', 0, 'n_failed', 0, 'batch', '', 'step', '')
+  redis.call('HSET', gk, 'state', 'generating', 'n_scored', 0, 'n_failed', 0, 'n_discarded', 0, 'batch', '', 'step', '')
   redis.call('ZREM', k('ready'), gid)
   redis.call('LREM', k('replay'), 0, gid)
   redis.call('ZADD', k('inflight'), tonumber(redis.call('HGET', gk, 'seq') or '0'), gid)

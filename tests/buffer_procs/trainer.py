@@ -25,10 +25,10 @@ from buffers import VersionConflict
 
 def check_group(bg) -> list[str]:
     problems = []
-    n = SETTINGS.n_samples_per_prompt
+    n, g = SETTINGS.n_samples_per_prompt, SETTINGS.samples_generated  # g > n: best-of-n keeps n
     idx = sorted(s.index for s in bg.samples)
-    if len(set(idx)) != len(idx) or any(i >= n for i in idx) or len(idx) + bg.n_failed != n:
-        problems.append(f"{bg.group.group_id}: sample indices {idx} + {bg.n_failed} failed != {n}")
+    if len(set(idx)) != len(idx) or any(i >= g for i in idx) or len(idx) != min(n, g - bg.n_failed):
+        problems.append(f"{bg.group.group_id}: sample indices {idx} with {bg.n_failed} failed: not min({n}, {g} - failed)")
     for s in bg.samples:
         if s.response_ids != expected_tokens(s.sample_id) or reward_fails(s.sample_id):
             problems.append(f"{s.sample_id}: tokens {s.response_ids} != {expected_tokens(s.sample_id)}")

@@ -1,0 +1,85 @@
+"""The Redis side of the pass-rate dataset filter: recorded group means and the removed prompts.
+
+The filter itself (which prompts to remove, AReaL's rule) is :mod:`asyncrl.prompt_filter`; the
+feeder is its only writer. Keys of the run (docs/buffer.md#pass-rate-dataset-filter):
+
+* ``pass_rates`` (hash group id -> mean reward of the group's scored samples): written by
+  ``lua/score.lua`` when a group finishes and ``record_pass_rates`` is set; the feeder takes
+  the entries it has folded into ``prompt_pass_rate``.
+* ``prompt_pass_rate`` (hash train problem index -> the latest mean reward of one of its groups).
+* ``filtered_prompts`` (hash train problem index -> mean reward when it was removed) and
+  ``filter_epoch`` (the last epoch the filter ran for): written together in one transaction,
+  so a resumed run (same Redis, AOF) keeps the removed prompts out and never filters an epoch twice.
+
+:class:`PassRateStore` is a base of :class:`buffers.ReplayBuffer` (it needs ``redis`` and ``prefix``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from buffers.scripts import _s
+
+__all__ = ["PassRateStore"]
+
+
+class PassRateStore:
+    """Reads and writes the pass-rate filter's keys (a base of :class:`buffers.ReplayBuffer`)."""
+
+    redis: Any
+    prefix: str
+
+    async def recorded_pass_rates(self) -> dict[str, float]:
+        """Group id -> mean reward of its scored samples, for groups finished since the last :meth:`fold_pass_rates`."""
+        raw = await self.redis.hgetall(self.prefix + "pass_rates")
+        return {_s(k): float(v) for k, v in raw.items()}
+
+    async def fold_pass_rates(self, by_problem: dict[int, float], group_ids: list[str]) -> None:
+        """Store ``by_problem`` (problem index -> latest mean reward) in ``prompt_pass_rate`` and
+        delete ``group_ids`` from ``pass_rates``, in one transaction (a repeat is harmless)."""
+        p = self.prefix
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if by_problem:
+                pipe.hset(p + "prompt_pass_rate", mapping={str(k): repr(float(v)) for k, v in by_problem.items()})
+            if group_ids:
+                pipe.hdel(p + "pass_rates", *group_ids)
+            await pipe.execute()
+
+    async def prompt_pass_rates(self) -> dict[int, float]:
+        """Train problem index -> the latest mean reward of one of its groups."""
+        raw = await self.redis.hgetall(self.prefix + "prompt_pass_rate")
+        return {int(k): float(v) for k, v in raw.items()}
+
+    async def filter_epoch(self) -> int:
+        """The last epoch the pass-rate filter ran for (0: never)."""
+        return int(await self.redis.get(self.prefix + "filter_epoch") or 0)
+
+    async def filtered_prompts(self) -> dict[int, float]:
+        """Train problem index -> mean reward when the pass-rate filter removed it."""
+        raw = await self.redis.hgetall(self.prefix + "filtered_prompts")
+        return {int(k): float(v) for k, v in raw.items()}
+
+    async def record_filter(self, epoch: int, removed: dict[int, float]) -> bool:
+        """Add ``removed`` to ``filtered_prompts`` and set ``filter_epoch`` to ``epoch``, atomically,
+        only if the filter has not run for ``epoch`` yet (optimistic ``WATCH`` on ``filter_epoch``).
+
+        Returns:
+            True when written; False when another feeder ran the filter for this epoch first.
+        """
+        from redis.exceptions import WatchError
+
+        p = self.prefix
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(p + "filter_epoch")
+                if int(await pipe.get(p + "filter_epoch") or 0) >= epoch:
+                    return False
+                pipe.multi()
+                if removed:
+                    pipe.hset(p + "filtered_prompts", mapping={str(k): repr(float(v)) for k, v in removed.items()})
+                    pipe.hincrby(p + "stats", "filtered_prompts:pass_rate", len(removed))
+                pipe.set(p + "filter_epoch", epoch)
+                await pipe.execute()
+            except WatchError:
+                return False
+        return True
