@@ -178,6 +178,8 @@ class RewardModelConfig(_Section):
     """Most characters of one text in a ``POST /score`` request (longer texts are rejected with 400)."""
     timeout_seconds: float = Field(60.0, gt=0.0, le=3600.0)
     """Limit of one scoring request from a rollout worker; a request that has not been answered by then fails its sample (``RewardModelError``, counted as ``failed_samples:reward_model``)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the reward model runs: ``cuda`` (the first visible GPU), ``cpu``, or ``auto`` (``cuda`` when a GPU is visible). Weights are fp32."""
     threads: int | None = Field(None, ge=1, le=1024)
     """torch threads of the reward-model server (None: the controller's core assignment or torch's default)."""
     drain_timeout_seconds: float = Field(30.0, gt=0.0, le=3600.0)

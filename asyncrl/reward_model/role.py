@@ -64,7 +64,7 @@ async def run_reward_model_server(cfg: Any, stop: asyncio.Event | None = None,
     await runner.setup()
     try:
         await web.TCPSite(runner, opts.host, opts.port).start()
-        _print(f"serving {path} on http://{opts.host}:{opts.port} (POST /score, /health, /metrics; "
+        _print(f"serving {path} ({server.device}) on http://{opts.host}:{opts.port} (POST /score, /health, /metrics; "
                f"batches of <= {opts.max_batch_size} texts, {opts.batch_wait_ms:g} ms wait)")
         if ready is not None:
             ready.set()

@@ -78,6 +78,7 @@ class RewardModelOptions:
         max_batch_size, batch_wait_ms: the dynamic batcher's limits.
         max_texts_per_request, max_chars: the request schema's bounds.
         threads: torch threads (None: torch's default).
+        device: ``auto``, ``cpu`` or ``cuda``.
         drain_timeout_seconds: longest drain on SIGTERM.
         api_key: bearer token required on ``/score`` (None: open).
     """
@@ -92,6 +93,7 @@ class RewardModelOptions:
     max_texts_per_request: int = 64
     max_chars: int = 200_000
     threads: int | None = None
+    device: str = "auto"
     drain_timeout_seconds: float = 30.0
     api_key: SecretStr | None = None
 
@@ -102,7 +104,7 @@ class RewardModelOptions:
         key = cfg.security.api_key if rm.api_key_required else None
         return cls(model_path=model_path, host=rm.host, port=rm.port, label_index=rm.label_index,
                    max_length=rm.max_length, max_batch_size=rm.max_batch_size, batch_wait_ms=rm.batch_wait_ms,
-                   max_texts_per_request=rm.max_texts_per_request, max_chars=rm.max_chars, threads=rm.threads,
+                   max_texts_per_request=rm.max_texts_per_request, max_chars=rm.max_chars, threads=rm.threads, device=rm.device,
                    drain_timeout_seconds=rm.drain_timeout_seconds, api_key=SecretStr(key) if key else None)
 
 
@@ -281,6 +283,7 @@ class RewardModelServer:
         self.draining = False
         self.ready = False
         self.answered = 0  # /score requests answered with scores or a 500
+        self.device: Any = "cpu"
 
     # -- model ---------------------------------------------------------------------------------
 
@@ -292,6 +295,12 @@ class RewardModelServer:
             torch.set_num_threads(int(self.opts.threads))
         if self.model is None:
             self.model, self.tokenizer = load_reward_model(self.opts.model_path)
+        want = self.opts.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ValueError("reward.model.device=cuda but no GPU is visible (CUDA_VISIBLE_DEVICES, drivers); "
+                             "use device auto or cpu")
+        self.device = torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+        self.model.to(self.device)
         n_labels = int(getattr(self.model.config, "num_labels", 1))
         if self.opts.label_index >= n_labels:
             raise ValueError(f"reward.model.label_index={self.opts.label_index} but the model has {n_labels} "
@@ -313,7 +322,7 @@ class RewardModelServer:
         input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in ids], dtype=torch.long)
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids], dtype=torch.long)
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, attention_mask=mask).logits
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
         scores = logits[:, self.opts.label_index].float().tolist()
         if self.metrics is not None:
             self.metrics.batch_done(len(texts), sum(len(r) for r in ids), time.perf_counter() - t0)
