@@ -26,6 +26,11 @@ we call it with ``parsing_timeout = verify timeout = 2 s`` (a timed-out check co
 ``HARD_TIMEOUT_SECONDS``, after which the helper is killed and the sample fails with a timeout
 error. Regions are cut to their last ``MAX_REGION_CHARS`` characters before parsing.
 
+**Reward model.** With ``reward.model`` set, :class:`RewardScorer` also asks the reward-model
+role (:mod:`asyncrl.reward_model`) for the sample's term and replaces or adds to the rule
+reward (``reward.model.combine``); its failures give ``RewardModelError: ...`` errors
+(docs/reward_model.md).
+
 **Processing** (PPO practice; AReaL's ``output_scaling``/``output_bias``):
 ``r' = clip((r - bias) * scale, -clip, +clip)``, and :func:`check_verifier_status` raises when
 every raw reward of a batch is zero (AReaL's ``check_verifier_status``: a broken verifier

@@ -254,6 +254,11 @@ def test_role_refuses_a_config_without_a_model_or_a_bad_label(tiny_reward_model_
     assert r.returncode == 2 and "reward.model.path is not set" in r.stderr
     with pytest.raises(ValueError, match=r"label_index=3 but the model has 1 output label"):
         RewardModelServer(RewardModelOptions(str(tiny_reward_model_dir), label_index=3)).load()
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device=cuda but no GPU is visible"):
+            RewardModelServer(RewardModelOptions(str(tiny_reward_model_dir), device="cuda")).load()
     from asyncrl.reward_model.server import load_reward_model
 
     with pytest.raises(ValueError, match="cannot load it as a sequence-classification model"):
@@ -481,3 +486,31 @@ def test_json_answer_shape(rm_server):
     r = httpx.post(rm_server.url + "/score", json={"texts": ["a", "b"]}, headers={"Authorization": f"Bearer {KEY}"})
     body = json.loads(r.text)
     assert r.status_code == 200 and set(body) == {"scores", "model"} and len(body["scores"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_asyncrl_train_with_the_reward_model(tmp_path, tiny_model_dir, tiny_reward_model_dir):
+    """``asyncrl train`` on the tiny config with ``reward.model.path``: the controller launches and
+    supervises the reward-model process, the rollout workers score with it (rewards are the model's
+    scaled scores, not the rule reward's zeros), and the run stops it cleanly (drained, exit 0)."""
+    from asyncrl.tracking import read_metrics
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(REPO / "configs" / "tiny.yaml"),
+         "--output_dir", str(tmp_path), "--model_path", str(tiny_model_dir), "--total_steps", "2",
+         "--rollout.base_port", str(free_port()), "--monitoring.progress", "false",
+         "--reward.model.path", str(tiny_reward_model_dir), "--reward.model.port", "0",
+         "--reward.model.output_scaling", "100", "--reward.model.max_reward_clip", "5"],
+        env=env, capture_output=True, text=True, timeout=600)
+    run_dir = tmp_path / "tiny"
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert proc.returncode == 0, proc.stderr[-3000:] + "\n".join(f"--- {k}\n{v[-2000:]}" for k, v in logs.items())
+    rm_log = logs["reward-model.log"]
+    assert "serving" in rm_log and "drained:" in rm_log, rm_log[-2000:]
+    assert "waiting for the reward model" in logs["rollout-0.log"]
+    rewards = [r["reward/mean"] for r in read_metrics(run_dir) if r["role"] == "trainer" and "reward/mean" in r]
+    assert len(rewards) == 2 and any(abs(r) > 1e-3 for r in rewards), rewards  # the rule reward of a random model is 0
+    assert json.loads((run_dir / "run_state.json").read_text())["status"] == "finished"
