@@ -79,6 +79,45 @@ def test_score_request_schema_is_bounded():
             schema.model_validate_json(body)
 
 
+async def test_dynamic_batcher_gathers_requests_and_isolates_a_failing_text():
+    """The batcher alone, with a plain scoring function (text length; raises on "bad"): concurrent
+    requests share forward passes of at most max_batch_size texts; a batch holding a bad text is
+    retried text by text, so only the bad text's request fails; wait_idle reports a drain that
+    does not finish in time."""
+    from asyncrl.reward_model.server import DynamicBatcher
+
+    calls: list[list[str]] = []
+    gate = threading.Event()
+    gate.set()
+
+    def score_batch(texts: list[str]) -> list[float]:
+        gate.wait()
+        calls.append(list(texts))
+        if "bad" in texts:
+            raise ValueError("cannot score 'bad'")
+        return [float(len(t)) for t in texts]
+
+    b = DynamicBatcher(score_batch, max_batch_size=4, batch_wait_seconds=0.2)
+    b.start()
+    try:
+        got = await asyncio.gather(*(b.score(["x" * i]) for i in range(1, 7)))
+        assert got == [[float(i)] for i in range(1, 7)]
+        assert [len(c) for c in calls] == [4, 2], calls  # 6 concurrent texts: two passes, not six
+        calls.clear()
+        results = await asyncio.gather(b.score(["ok", "fine"]), b.score(["bad"]), b.score(["good"]), return_exceptions=True)
+        assert results[0] == [2.0, 4.0] and results[2] == [4.0]
+        assert isinstance(results[1], ValueError) and "bad" in str(results[1])
+        assert calls[0] == ["ok", "fine", "bad", "good"] and sorted(map(tuple, calls[1:])) == [("bad",), ("fine",), ("good",), ("ok",)]
+        gate.clear()  # a forward pass that hangs: the drain gives up after its timeout
+        pending = asyncio.ensure_future(b.score(["slow"]))
+        assert await b.wait_idle(0.5) is False and b.pending == 1
+        gate.set()
+        assert await pending == [4.0] and await b.wait_idle(1.0) is True and b.pending == 0
+    finally:
+        gate.set()
+        await b.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # the server process over real HTTP
 
@@ -202,8 +241,10 @@ def test_server_checks_auth_and_bounds_and_one_bad_request_touches_no_other(rm_s
         assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
     r = httpx.post(rm_server.url + "/score", content=b"{not json", headers=auth)
     assert r.status_code == 400
+    r = httpx.post(rm_server.url + "/score", content=b'{"texts": ["' + b"x" * 600_000 + b'"]}', headers=auth)
+    assert r.status_code == 400 and "too large" in r.json()["error"]["message"]
     assert httpx.post(rm_server.url + "/score", json={"texts": ["a"]}, headers={"x-api-key": KEY}).status_code == 200
-    assert _metric(rm_server.url, 'asyncrl_reward_model_requests_total{result="bad_request"}') >= 7
+    assert _metric(rm_server.url, 'asyncrl_reward_model_requests_total{result="bad_request"}') >= 8
     assert _metric(rm_server.url, 'asyncrl_reward_model_requests_total{result="unauthorized"}') >= 2
     log = rm_server.log.read_text()
     assert KEY not in log and KEY not in " ".join(rm_server.proc.args)
