@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("asyncrl.models:main", "prepare and list local models (`asyncrl models prepare smollm2-135m-instruct`)"),
     "buffer": ("buffers.cli:main", "inspect a run's replay buffer (`stats`, `inspect`, `drain`)"),
     "rollout-server": ("rollout_server.cli:main", "run a rollout server: embedded engine + rollout worker"),
+    "reward-model": ("asyncrl.reward_model.role:main", "serve a reward model (sequence classification) to the rollout workers"),
     "trainer": ("trainer.cli:main", "run the DeepSpeed trainer (works under torchrun and the deepspeed launcher)"),
     "eval": ("asyncrl.evaluate:main", "held-out accuracy of a model or checkpoint on a task"),
     "report": ("asyncrl.report:main", "curves (PNG) and a markdown summary of a run directory"),

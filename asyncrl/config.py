@@ -47,6 +47,8 @@ from asyncrl.config_sections import (  # noqa: F401  (re-exported)
     OptimizerConfig,
     ReferenceConfig,
     ResourcesConfig,
+    RewardConfig,
+    RewardModelConfig,
     RolloutConfig,
     RunConfig,
     SecurityConfig,
@@ -83,6 +85,8 @@ class AsyncRLConfig(_Section):
     """Policy model."""
     data: DataConfig = DataConfig()
     """Prompts and rewards."""
+    reward: RewardConfig = RewardConfig()
+    """Learned rewards: the reward-model role."""
     rollout: RolloutConfig = RolloutConfig()
     """Rollout servers and the partial-rollout knobs ``partial_percent`` and ``max_budget``."""
     buffer: BufferConfig = BufferConfig()
@@ -163,6 +167,8 @@ class AsyncRLConfig(_Section):
             )
         if r.api_key_required and not self.security.api_key:
             raise ValueError("rollout.api_key_required is set but security.api_key is empty")
+        if self.reward.model.api_key_required and not self.security.api_key:
+            raise ValueError("reward.model.api_key_required is set but security.api_key is empty")
         if self.data.task in ("gsm8k", "jsonl", "parquet") and self.data.path is None:
             raise ValueError(f"data.task={self.data.task} needs data.path (a local file)")
         return self

@@ -22,7 +22,7 @@ __all__ = [
     "train_batch_groups", "RunConfig", "ModelConfig", "ArithmeticConfig", "DataConfig", "RolloutConfig",
     "StalePolicy", "BufferConfig", "LossConfig", "OptimizerConfig", "GAEConfig", "CriticConfig",
     "KLControlConfig", "ReferenceConfig", "TrainerConfig", "WeightSyncConfig", "MonitoringConfig",
-    "SecurityConfig", "ResourcesConfig", "AgentConfig", "STEPWISE_MODES",
+    "SecurityConfig", "ResourcesConfig", "AgentConfig", "STEPWISE_MODES", "RewardModelConfig", "RewardConfig",
 ]
 
 def train_batch_groups(partial_percent: float, rollout_batch_size: int) -> int:
@@ -143,6 +143,73 @@ class DataConfig(_Section):
     """Pass-rate dataset filter (AReaL ``dataset_filter_threshold``): at the start of each epoch after the first, a train prompt whose last finished group had a mean reward above this is removed from the feeder's stream (at most ``dataset_max_filter_percentage`` of the remaining prompts per epoch, highest mean first). The removed prompts are stored in the buffer, so a resumed run keeps them out (docs/buffer.md#pass-rate-dataset-filter)."""
     dataset_max_filter_percentage: float = Field(0.0, ge=0.0, le=1.0)
     """Most prompts the pass-rate filter removes per epoch, as a share of the prompts still in the stream (AReaL ``dataset_max_filter_percentage``; 0: the filter is off; at least one prompt always stays)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# reward model
+
+
+class RewardModelConfig(_Section):
+    """The reward-model role: an HF sequence-classification model served over HTTP (``reward.model.*``; docs/reward_model.md)."""
+
+    path: str | None = None
+    """The reward model: a local Hugging Face directory (or a name prepared by ``asyncrl models prepare``) that loads with ``AutoModelForSequenceClassification``. None: no reward model, rule-based rewards only (``data.reward``)."""
+    url: str | None = Field(None, pattern=r"^https?://[^\s/]+(:\d+)?/?$")
+    """Attach to a reward-model server running elsewhere (``http://host:port``, e.g. its Kubernetes Service); None: ``asyncrl train`` launches one on ``host:port`` when ``path`` is set."""
+    host: str = "127.0.0.1"
+    """Interface the launched reward-model server listens on (loopback unless configured otherwise)."""
+    port: int = Field(30500, ge=0, le=65535)
+    """Port of the launched reward-model server (0 or busy: ``asyncrl train`` picks a free one and tells every role)."""
+    combine: Literal["replace", "add"] = "replace"
+    """How the reward-model term joins the rule-based reward of ``data.reward``: ``replace`` (the reward is the reward-model term alone; ``data.reward`` is not run) or ``add`` (rule reward + reward-model term)."""
+    output_scaling: float = Field(1.0, gt=0.0, le=1e6)
+    """Scale of the reward model's score: term = clip((score - output_bias) * output_scaling, -max_reward_clip, max_reward_clip) (AReaL ``rm_output_scaling``; docs/reward_model.md)."""
+    output_bias: float = Field(0.0, ge=-1e6, le=1e6)
+    """Subtracted from the reward model's score before scaling (AReaL's reward-model ``output_bias``)."""
+    max_reward_clip: float = Field(20.0, gt=0.0, le=1e6)
+    """Absolute clip of the reward-model term (AReaL ``ppo.max_reward_clip``, default 20)."""
+    label_index: int = Field(0, ge=0, le=1023)
+    """Which output logit is the score (0 for the usual one-label reward model)."""
+    max_length: int = Field(2048, ge=16, le=1_048_576)
+    """Most tokens of one scored text; a longer text keeps its last ``max_length`` tokens (the score is read at the last token)."""
+    max_batch_size: int = Field(16, ge=1, le=1024)
+    """Most texts in one forward pass of the server's dynamic batcher."""
+    batch_wait_ms: float = Field(5.0, ge=0.0, le=1000.0)
+    """How long the batcher waits for more texts after the first one before running a forward pass, in milliseconds."""
+    max_texts_per_request: int = Field(64, ge=1, le=4096)
+    """Most texts in one ``POST /score`` request (larger requests are rejected with 400)."""
+    max_chars: int = Field(200_000, ge=1, le=10_000_000)
+    """Most characters of one text in a ``POST /score`` request (longer texts are rejected with 400)."""
+    timeout_seconds: float = Field(60.0, gt=0.0, le=3600.0)
+    """Limit of one scoring request from a rollout worker; a request that has not been answered by then fails its sample (``RewardModelError``, counted as ``failed_samples:reward_model``)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the reward model runs: ``cuda`` (the first visible GPU), ``cpu``, or ``auto`` (``cuda`` when a GPU is visible). Weights are fp32."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """torch threads of the reward-model server (None: the controller's core assignment or torch's default)."""
+    drain_timeout_seconds: float = Field(30.0, gt=0.0, le=3600.0)
+    """On SIGTERM the server refuses new requests (503) and finishes the texts already queued, for at most this long."""
+    api_key_required: bool = False
+    """Require ``security.api_key`` as a bearer token on ``POST /score`` (``/health`` and ``/metrics`` stay open)."""
+
+    @property
+    def enabled(self) -> bool:
+        """True when rollout workers score with a reward model (``path`` or ``url`` set)."""
+        return self.path is not None or self.url is not None
+
+    @property
+    def server_url(self) -> str:
+        """Where rollout workers reach the reward model: ``url``, else ``http://host:port``."""
+        if self.url:
+            return self.url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+class RewardConfig(_Section):
+    """Learned rewards (``reward.*``); rule-based rewards and their processing are ``data.reward*``."""
+
+    model: RewardModelConfig = RewardModelConfig()
+    """The reward-model role (off unless ``reward.model.path`` or ``reward.model.url`` is set)."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,6 +26,11 @@ we call it with ``parsing_timeout = verify timeout = 2 s`` (a timed-out check co
 ``HARD_TIMEOUT_SECONDS``, after which the helper is killed and the sample fails with a timeout
 error. Regions are cut to their last ``MAX_REGION_CHARS`` characters before parsing.
 
+**Reward model.** With ``reward.model`` set, :class:`RewardScorer` also asks the reward-model
+role (:mod:`asyncrl.reward_model`) for the sample's term and replaces or adds to the rule
+reward (``reward.model.combine``); its failures give ``RewardModelError: ...`` errors
+(docs/reward_model.md).
+
 **Processing** (PPO practice; AReaL's ``output_scaling``/``output_bias``):
 ``r' = clip((r - bias) * scale, -clip, +clip)``, and :func:`check_verifier_status` raises when
 every raw reward of a batch is zero (AReaL's ``check_verifier_status``: a broken verifier
@@ -381,10 +386,20 @@ class RewardScorer:
     calls fail at once with the same error instead of piling up threads. The built-in
     functions are bounded by math-verify's own limits instead.
 
+    With a reward model (``reward_model``, docs/reward_model.md) its term
+    ``clip((score - bias) * scaling, ±clip)`` (:class:`asyncrl.reward_model.RewardModelClient`)
+    either replaces ``fn`` (``combine="replace"``: ``reward = term + format_reward_weight *
+    format``, ``fn`` is not called) or is added to it (``combine="add"``). A reward model that
+    fails (unreachable, HTTP error, ``reward.model.timeout_seconds`` passed) fails the sample
+    with ``RewardModelError: ...`` (counted as ``failed_samples:reward_model``).
+
     Args:
         reward: ``data.reward`` (``math_verify``, ``format`` or ``module:function``).
         format_reward_weight: ``data.format_reward_weight``.
         timeout_seconds: ``data.reward_timeout_seconds``; None: no limit.
+        reward_model: a :class:`asyncrl.reward_model.RewardModelClient` (or anything with its
+            ``term(prompt, response) -> float``), or None.
+        combine: ``reward.model.combine``, ``replace`` or ``add``.
 
     Raises:
         RewardError: at construction, when ``reward`` cannot be loaded (a run must not start
@@ -392,7 +407,11 @@ class RewardScorer:
     """
 
     def __init__(self, reward: str = "math_verify", format_reward_weight: float = 0.0,
-                 timeout_seconds: float | None = DEFAULT_REWARD_TIMEOUT_SECONDS):
+                 timeout_seconds: float | None = DEFAULT_REWARD_TIMEOUT_SECONDS, reward_model: Any = None,
+                 combine: str = "replace"):
+        if combine not in ("replace", "add"):
+            raise RewardError(f"reward.model.combine={combine!r}: use 'replace' or 'add'")
+        self.reward_model, self.combine = reward_model, combine
         self.spec = reward
         self.fn = load_reward_fn(reward)
         self.format_reward_weight = float(format_reward_weight)
@@ -404,9 +423,21 @@ class RewardScorer:
         self._abandoned = 0  # timed-out calls whose threads are still running
 
     @classmethod
-    def from_config(cls, data: Any) -> "RewardScorer":
-        """From the ``data`` config section."""
-        return cls(data.reward, data.format_reward_weight, data.reward_timeout_seconds)
+    def from_config(cls, data: Any, reward: Any = None, api_key: str | None = None) -> "RewardScorer":
+        """From the ``data`` config section and, when ``reward.model`` is enabled, a reward-model client
+        (``api_key``: ``security.api_key``, sent when ``reward.model.api_key_required``)."""
+        rm = None
+        if reward is not None and reward.model.enabled:
+            from asyncrl.reward_model import RewardModelClient
+
+            rm = RewardModelClient.from_config(reward.model, api_key)
+        return cls(data.reward, data.format_reward_weight, data.reward_timeout_seconds, rm,
+                   reward.model.combine if rm is not None else "replace")
+
+    def close(self) -> None:
+        """Close the reward-model client's connections (no-op without one)."""
+        if self.reward_model is not None and hasattr(self.reward_model, "close"):
+            self.reward_model.close()
 
     @property
     def abandoned_calls(self) -> int:
@@ -463,7 +494,10 @@ class RewardScorer:
         start = time.perf_counter()
         response = str(metadata.get("response_prefix") or "") + response
         try:
-            if self.fn is math_verify_reward:
+            if self.reward_model is not None and self.combine == "replace":
+                value, correct = self.reward_model.term(prompt, response), None
+                fmt = format_reward(prompt, response, metadata)
+            elif self.fn is math_verify_reward:
                 check = check_answer(response, _gold(metadata))
                 value, correct, fmt = float(check.correct), float(check.correct), float(check.format_ok)
             else:
@@ -475,6 +509,8 @@ class RewardScorer:
                     raise ValueError(f"reward function {self.spec!r} returned {value}; expected a finite float")
                 correct = None
                 fmt = value if self.fn is format_reward else format_reward(prompt, response, metadata)
+            if self.reward_model is not None and self.combine == "add":
+                value += self.reward_model.term(prompt, response)
         except Exception as exc:  # a reward function must never crash a run
             return RewardResult(0.0, None, 0.0, f"{type(exc).__name__}: {exc}", time.perf_counter() - start)
         return RewardResult(

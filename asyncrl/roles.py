@@ -1,8 +1,9 @@
-"""The processes of an ``asyncrl train`` run: the prompt feeder, the rollout servers and the trainer.
+"""The processes of an ``asyncrl train`` run: the prompt feeder, the reward model, the rollout servers and the trainer.
 
 One job: turn the config and the core split (:class:`asyncrl.resources.Assignment`) into each
 role's :class:`asyncrl.supervisor.RoleSpec`: command line, environment, cores, GPUs, nice
-value, health check, restart and stop policy (the feeder stops first, the trainer last).
+value, health check, restart and stop policy (the feeder stops first, then the rollout servers,
+then the reward model, which they may still be waiting on while they drain, and the trainer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from asyncrl.resources import Assignment
 
-__all__ = ["FATAL_EXIT_CODES", "child_env", "role_specs"]
+__all__ = ["FATAL_EXIT_CODES", "child_env", "role_specs", "reward_model_spec"]
 
 #: Exit statuses of roles that restarting cannot fix (argument/config errors).
 FATAL_EXIT_CODES = (2,)
@@ -50,6 +51,9 @@ def role_specs(cfg: Any, cfg_path: Path, env: dict[str, str], assignment: Assign
                       env={**env, "OMP_NUM_THREADS": "1"}, restart=True, stop_order=0,
                       fatal_exit_codes=FATAL_EXIT_CODES,
                       stop_grace_seconds=10.0)]
+    rm_spec = reward_model_spec(cfg, cfg_arg, env, assignment)  # sets the port every role reads, so first
+    if rm_spec is not None:
+        specs.append(rm_spec)
     urls = list(cfg.rollout.server_urls)
     base_port = cfg.rollout.base_port
     n = len(assignment.rollout_cores)
@@ -86,3 +90,36 @@ def role_specs(cfg: Any, cfg_path: Path, env: dict[str, str], assignment: Assign
                            fatal_exit_codes=FATAL_EXIT_CODES,
                            stop_grace_seconds=180.0, nice=assignment.trainer_nice))
     return specs, rollout_urls
+
+
+def reward_model_spec(cfg: Any, cfg_arg: list[str], env: dict[str, str], assignment: Assignment) -> Any:
+    """The reward-model server's :class:`~asyncrl.supervisor.RoleSpec`, or None.
+
+    None unless ``reward.model.path`` is set and ``reward.model.url`` is not (an attached
+    reward model runs elsewhere). When ``reward.model.port`` is 0 or busy, a free port is
+    chosen and announced to every role in ``env`` (``ASYNCRL_REWARD__MODEL__PORT``). The server
+    runs on the rollout servers' cores (it works when they score) and stops after them.
+    """
+    from asyncrl.net import free_port, ports_free
+    from asyncrl.supervisor import RoleSpec, http_health_check, role_command
+
+    rm = cfg.reward.model
+    if rm.path is None or rm.url is not None:
+        return None
+    port = rm.port
+    if port == 0 or not ports_free(rm.host, port, 1):
+        port = free_port(rm.host)
+        if rm.port:
+            print(f"asyncrl train: port {rm.port} is busy; the reward model uses {port}", file=sys.stderr)
+        env["ASYNCRL_REWARD__MODEL__PORT"] = str(port)
+    cores = None
+    if all(c is not None for c in assignment.rollout_cores):
+        cores = sorted({core for c in assignment.rollout_cores for core in c})
+    renv = dict(env)
+    if cores is not None and rm.threads is None:
+        renv["ASYNCRL_REWARD__MODEL__THREADS"] = str(len(cores))
+    url = rm.model_copy(update={"port": port}).server_url
+    return RoleSpec("reward-model", role_command("reward-model", *cfg_arg), env=renv, cores=cores, restart=True,
+                    stop_order=2, fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=rm.drain_timeout_seconds + 10.0,
+                    health_check=http_health_check(url + "/health"), health_interval_seconds=5.0, health_failures=6,
+                    nice=assignment.rollout_nice)

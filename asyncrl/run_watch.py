@@ -296,6 +296,8 @@ class BufferWatcher:
 
 def _role_kind(name: str) -> str:
     """Closed-set role label of a supervised process (``rollout-3`` -> ``rollout``; the feeder is the controller's)."""
+    if name == "reward-model":
+        return "reward_model"
     return "rollout" if name.startswith("rollout") else ("trainer" if name == "trainer" else "controller")
 
 
@@ -383,7 +385,7 @@ class PrometheusExport:
         self.cursor = cursor
         self.ctl.dataset_epoch.set(cursor // self.num_train)
         self.ctl.run_progress.set(min(1.0, trainer_step / self.total_steps))
-        for kind in ("rollout", "trainer", "controller"):
+        for kind in ("rollout", "trainer", "controller", "reward_model"):
             self.ctl.role_processes.labels(kind).set(sum(_role_kind(n) == kind for n in running))
 
     def restarted(self, name: str, reason: str) -> None:

@@ -64,7 +64,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
 
     model_path = str(resolve_model_path(cfg.model.path))
     context = check_context(cfg, max_prompt_tokens=1)
-    scorer = RewardScorer.from_config(cfg.data)
+    scorer = RewardScorer.from_config(cfg.data, cfg.reward, cfg.security.api_key)
     tokenizer = load_tokenizer(model_path)
     api_key = cfg.security.api_key if (r.api_key_required or r.server_urls) else None
     base_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -110,6 +110,9 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     workers = []
     code = 0
     try:
+        if scorer.reward_model is not None:  # no sample is scored before the reward model answers
+            _print(f"waiting for the reward model at {scorer.reward_model.url}")
+            await loop.run_in_executor(None, scorer.reward_model.wait_ready, 600.0)
         for i, (client, metrics) in enumerate(zip(clients, metrics_list)):
             await client.wait_ready(timeout_seconds=600.0)
             idx = i if server_index is None else server_index
@@ -138,6 +141,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
         if any(isinstance(res, WorkerError) for res in results):
             code = 1
     finally:
+        scorer.close()
         for c in clients:
             await c.close()
         await buf.close()

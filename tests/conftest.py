@@ -72,6 +72,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny random reward model: ``LlamaForSequenceClassification`` (one label) on the tiny model's
+    architecture and tokenizer, weights N(0, 0.02^2) from a fixed seed, saved as an HF directory."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    out = tmp_path_factory.mktemp("tiny_reward_model")
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_labels = 1
+    config.architectures = ["LlamaForSequenceClassification"]
+    model = LlamaForSequenceClassification(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            param.copy_(torch.ones_like(param) if "norm" in name
+                        else torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as an fp32 HF directory, prepared once into the model cache.
 

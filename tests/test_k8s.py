@@ -409,3 +409,47 @@ def test_dockerfile_pins_torch_and_runs_under_tini():
     ignore = (REPO / ".dockerignore").read_text().split()
     for entry in (".git", "runs", "**/__pycache__"):
         assert entry in ignore
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_reward_model_manifest(overlay, tmp_path):
+    """The reward-model Deployment and Service render in both overlays, off by default (the run
+    config keeps rule-based rewards); the enabling lines its manifest gives make a config whose
+    rollout servers reach the Service, and the pod serves on the ports the objects name."""
+    from asyncrl.config import load_config
+
+    objs = render(K8S / overlay)
+    dep = _by(objs, "Deployment", "asyncrl-reward-model")
+    svc = _by(objs, "Service", "asyncrl-reward-model")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert dep["spec"]["replicas"] == 0, "off by default: train.yaml keeps rule-based rewards"
+    assert c["command"] == ["tini", "--", "asyncrl", "reward-model", "--config", "/etc/asyncrl/train.yaml"]
+    text = _by(objs, "ConfigMap", "asyncrl-config")["data"]["train.yaml"]
+    assert not load_config([], config_path=_write(tmp_path / "off.yaml", text), environ=_pod_environ(c)).reward.model.enabled
+    # the manifest's enabling line, appended to the run config
+    header = (K8S / "base" / "reward-model.yaml").read_text()
+    (line,) = [ln[1:].strip() for ln in header.splitlines() if ln.lstrip("# ").startswith("reward: {model:")]
+    on = _write(tmp_path / "on.yaml", text + "\n" + line + "\n")
+    rm_cfg = load_config([], config_path=on, environ=_pod_environ(c))
+    rollout_cfg = load_config([], config_path=on, environ=_pod_environ(_by(objs, "StatefulSet", "asyncrl-rollout")["spec"]["template"]["spec"]["containers"][0]))
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
+    assert rm_cfg.reward.model.host == "0.0.0.0" and rm_cfg.reward.model.port == port
+    assert rollout_cfg.reward.model.server_url == f"http://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+    assert svc["spec"]["ports"][0]["port"] == port
+    assert rollout_cfg.reward.model.api_key_required and rm_cfg.security.api_key == rollout_cfg.security.api_key == "secret-api-key"
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert pod["terminationGracePeriodSeconds"] > rm_cfg.reward.model.drain_timeout_seconds
+    for var in _pod_environ(c):
+        if var.startswith("ASYNCRL_"):
+            from asyncrl.config import _known_dotted_fields
+
+            assert var[len("ASYNCRL_"):].lower().replace("__", ".") in _known_dotted_fields(), var
+    gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+    assert (gpus is not None and "tolerations" in pod) if overlay.endswith("gpu") else (gpus is None and "tolerations" not in pod)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

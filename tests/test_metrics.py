@@ -89,6 +89,11 @@ def drive_role(role: str):
         m.eval_accuracy.set(0.3)
         m.eval_duration.observe(30.0)
         m.run_progress.set(0.1)
+    elif role == "reward_model":
+        m.request_done("ok", duration_seconds=0.05)
+        m.request_done("bad_request")
+        m.batch_done(texts=8, tokens=900, duration_seconds=0.02)
+        m.queue_texts.set(3)
     return reg, m
 
 

@@ -12,7 +12,7 @@ import pytest
 from asyncrl.config import AsyncRLConfig, load_config
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "migrating.md"
-SECTIONS = ("run", "model", "data", "rollout", "buffer", "trainer", "weight_sync", "monitoring", "security", "resources")
+SECTIONS = ("run", "model", "data", "reward", "rollout", "buffer", "trainer", "weight_sync", "monitoring", "security", "resources")
 
 
 def _has_field(dotted: str) -> bool:

@@ -7,7 +7,7 @@ registries) instead of silently emptying a Grafana panel.
 
 Layout (import everything from ``asyncrl.metrics``; the modules are one job each):
 ``labels`` (closed label sets, bucket layouts, label checks), ``idle`` (:class:`IdleTracker`),
-one catalogue per role (``rollout``, ``buffer``, ``trainer``, ``controller``), ``serving``
+one catalogue per role (``rollout``, ``buffer``, ``trainer``, ``controller``, ``reward_model``), ``serving``
 (build info, registries, exposition, HTTP servers) and ``lint`` (:func:`lint_exposition`).
 
 Conventions (prometheus.io "Metric and label naming", https://prometheus.io/docs/practices/naming/):
@@ -39,7 +39,8 @@ Each role creates its metrics on a private :class:`prometheus_client.CollectorRe
 Which process exports what: rollout servers export :class:`RolloutMetrics` (the embedded
 engine additionally exports SGLang's own ``sglang:`` engine metrics, :data:`SGLANG_ENGINE_METRICS`,
 the only names exempt from these rules); trainer rank 0 exports :class:`TrainerMetrics`;
-the controller exports :class:`ControllerMetrics`. :class:`BufferMetrics` counts replay-buffer
+the controller exports :class:`ControllerMetrics`; the reward-model server exports
+:class:`RewardModelMetrics`. :class:`BufferMetrics` counts replay-buffer
 events and may be instantiated in any process that performs them (counters add up across
 processes with ``sum``); its state gauges (samples by state, the version clock) are set only
 by the process that polls the buffer's stats (the controller).
@@ -77,6 +78,7 @@ from asyncrl.metrics.labels import (
     exponential_buckets,
 )
 from asyncrl.metrics.lint import lint_exposition
+from asyncrl.metrics.reward_model import RewardModelMetrics
 from asyncrl.metrics.rollout import RolloutMetrics
 from asyncrl.metrics.serving import (
     build_info,
@@ -115,6 +117,7 @@ __all__ = [
     "BufferMetrics",
     "TrainerMetrics",
     "ControllerMetrics",
+    "RewardModelMetrics",
     "build_info",
     "git_sha",
     "role_registry",

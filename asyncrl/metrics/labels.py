@@ -22,7 +22,7 @@ prometheus_client.disable_created_metrics()
 # label vocabularies (low cardinality, closed sets)
 
 #: Values of ``asyncrl_build_info{role}``.
-ROLES: tuple[str, ...] = ("rollout", "trainer", "controller", "buffer")
+ROLES: tuple[str, ...] = ("rollout", "trainer", "controller", "buffer", "reward_model")
 #: Why an engine request (one segment) ended: SGLang's ``meta_info.finish_reason.type``
 #: (``stop``/``length``/``abort``) plus ``budget`` (reached ``max_budget`` under this policy
 #: version; the sample is parked) and ``error`` (HTTP/engine failure).
@@ -56,6 +56,9 @@ TERMINATIONS: tuple[str, ...] = ("env_done", "turn_limit", "token_limit", "timeo
 EPISODE_RESTART_REASONS: tuple[str, ...] = ("nondeterministic",)
 #: Buckets of turns / tool calls per episode.
 EPISODE_COUNT_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+#: Outcome of one ``POST /score`` request to the reward-model server: answered, rejected by its
+#: schema or auth (4xx), refused while draining (503), or failed in the forward pass (500).
+RM_REQUEST_RESULTS: tuple[str, ...] = ("ok", "bad_request", "unauthorized", "draining", "error")
 
 #: SGLang engine metric names (``python/sglang/srt/metrics/collector.py``) that dashboards may
 #: query; the embedded torch engine exports the same names (with the ``model_name`` label) so
@@ -99,6 +102,10 @@ WEIGHT_SYNC_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 16, 32)
 #: Response length in tokens: 16 .. 32768.
 RESPONSE_LENGTH_BUCKETS_TOKENS = tuple(float(2**i) for i in range(4, 16))
+#: Texts in one reward-model forward pass (the dynamic batcher's batch size): 1 .. 1024.
+RM_BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))
+#: One reward-model request or forward pass: 5 ms .. 5 min.
+RM_DURATION_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: Per-sample reward (after scale/bias/clip; ``data.reward_clip`` defaults to 10).
 REWARD_BUCKETS = (-10, -5, -2, -1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5, 10)
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from asyncrl.metrics.buffer import BufferMetrics
 from asyncrl.metrics.controller import ControllerMetrics
 from asyncrl.metrics.labels import ROLES, _check
+from asyncrl.metrics.reward_model import RewardModelMetrics
 from asyncrl.metrics.rollout import RolloutMetrics
 from asyncrl.metrics.trainer import TrainerMetrics
 
@@ -64,12 +65,14 @@ def role_registry(role: str) -> tuple[CollectorRegistry, object]:
     """A fresh registry with ``asyncrl_build_info`` and the catalogue of ``role``.
 
     Returns ``(registry, metrics)`` where ``metrics`` is a :class:`RolloutMetrics`,
-    :class:`TrainerMetrics`, :class:`ControllerMetrics` or :class:`BufferMetrics`.
+    :class:`TrainerMetrics`, :class:`ControllerMetrics`, :class:`BufferMetrics` or
+    :class:`RewardModelMetrics`.
 
     Raises:
         ValueError: unknown ``role``.
     """
-    classes = {"rollout": RolloutMetrics, "trainer": TrainerMetrics, "controller": ControllerMetrics, "buffer": BufferMetrics}
+    classes = {"rollout": RolloutMetrics, "trainer": TrainerMetrics, "controller": ControllerMetrics, "buffer": BufferMetrics,
+               "reward_model": RewardModelMetrics}
     _check(role, ROLES, "role")
     reg = CollectorRegistry()
     build_info(reg, role)

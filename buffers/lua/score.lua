@@ -7,7 +7,8 @@
 -- with record_pass_rates the group's mean reward over every scored sample goes to pass_rates.
 -- A failed sample is counted in failed_samples and in failed_samples:<reason> (reward_timeout when
 -- the error starts with 'RewardTimeout:', workflow_error when it starts with 'WorkflowError:' (an
--- episode's workflow raised, docs/agents.md), else reward_error).
+-- episode's workflow raised, docs/agents.md), reward_model when it starts with 'RewardModelError:'
+-- (a reward model could not score the sample, docs/reward_model.md), else reward_error).
 -- Per item, 7 args: sid, claim token, 'reward'|'error', value, advantages kind ('', 'scalar', 'tokens'),
 -- advantages, info (a JSON object of an episode's termination and counts, '' for none; <= 4096 bytes).
 -- Result per item: the group state string, or the error string '!<CODE> <message>'.
@@ -101,8 +102,10 @@ local function one(sid, token, kind, value, advk, adv, info)
     nf = nf + 1
     stat('failed_samples')
     -- by reason: a user reward function that timed out (asyncrl.rewards.RewardTimeout) or any other failure
+    -- or a reward model that failed (asyncrl.reward_model.RewardModelError)
     if string.sub(value, 1, 14) == 'RewardTimeout:' then stat('failed_samples:reward_timeout')
     elseif string.sub(value, 1, 14) == 'WorkflowError:' then stat('failed_samples:workflow_error')
+    elseif string.sub(value, 1, 17) == 'RewardModelError:' then stat('failed_samples:reward_model')
     else stat('failed_samples:reward_error') end
   end
   redis.call('HSET', gk, 'n_scored', ns, 'n_failed', nf)
