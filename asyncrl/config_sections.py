@@ -549,6 +549,8 @@ class AgentConfig(_Section):
     """Built-in ``arithmetic_retry``: a correct answer at turn k (1-based) earns ``turn_discount ** (k - 1)``."""
     tool_timeout_seconds: float = Field(5.0, gt=0.0, le=3600.0)
     """A tool call running longer is abandoned; its observation says so (a failing tool is an observation, not a crash)."""
+    opsd_teacher_url: str | None = Field(None, pattern=r"^https?://")
+    """On-policy self-distillation (``@opsd`` workflows, e.g. ``arithmetic_opsd``): an SGLang-compatible server holding the teacher (a reference model). None: the teacher is the policy itself on the rollout engine, given the privileged context."""
     episode_timeout_seconds: float = Field(600.0, gt=0.0)
     """Live seconds of one episode on one server; the next call past it ends the episode with termination ``timeout``."""
 

@@ -237,6 +237,41 @@ class EpisodeRunner:
         self.agent = agent
         self.seed = int(seed)
         self.chat = ChatFormat(worker.tokenizer)
+        self.teacher = None
+        if getattr(agent, "opsd_teacher_url", None):
+            from rollout_server.client import EngineClient
+
+            self.teacher = EngineClient(agent.opsd_teacher_url, api_key=getattr(worker.client, "api_key", None))
+
+    async def _token_logprobs(self, context_ids: list[int], target_ids: list[int], client: Any = None) -> list[float]:
+        """Logprobs of ``target_ids`` after ``context_ids`` from the engine's prompt logprobs (shape (T,)).
+
+        ``/generate`` with ``max_new_tokens: 0``, ``return_logprob`` and ``logprob_start_len =
+        len(context) - 1`` (SGLang pads the first returned position with None).
+
+        Raises:
+            WorkerError: the engine refused or returned malformed logprobs (wrapped so the episode
+                is abandoned, not failed).
+        """
+        client = client or self.w.client
+        if not context_ids or not target_ids:
+            raise ValueError("scoring needs a non-empty context and target")
+        try:
+            out = await client.generate(list(context_ids) + list(target_ids),
+                                        {"max_new_tokens": 0, "temperature": float(self.w.opts.temperature)},
+                                        rid=self.w._next_rid_name("score"), return_logprob=True,
+                                        logprob_start_len=len(context_ids) - 1)
+            rows = out["meta_info"]["input_token_logprobs"][1:]
+            vals = [float(r[0]) for r in rows]
+        except (EngineError, EngineUnavailable, KeyError, TypeError, IndexError, ValueError) as exc:
+            raise _Abandon(WorkerError(f"scoring tokens on {client.url} failed: {exc}")) from exc
+        if len(vals) != len(target_ids):
+            raise _Abandon(WorkerError(f"the engine at {client.url} returned {len(vals)} prompt logprobs for "
+                                       f"{len(target_ids)} tokens"))
+        return vals
+
+    async def _teacher_logprobs(self, context_ids: list[int], target_ids: list[int]) -> list[float]:
+        return await self._token_logprobs(context_ids, target_ids, self.teacher)
 
     async def run(self, item: WorkItem) -> SampleStatus | None:
         """Run (or replay, then continue) the episode of ``item``; returns the sample's status.
@@ -265,6 +300,9 @@ class EpisodeRunner:
                              tool_timeout=self.agent.tool_timeout_seconds,
                              episode_timeout=self.agent.episode_timeout_seconds,
                              ended_at_token_limit=(finish == "length"))
+        model.scorer = self._token_logprobs
+        if self.teacher is not None:
+            model.teacher_scorer = self._teacher_logprobs
         env = self.workflow.make_env(task) if self.workflow.make_env is not None else None
         error: str | None = None
         try:

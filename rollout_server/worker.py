@@ -315,6 +315,10 @@ class RolloutWorker(WorkerWeightSync):
         except (TypeError, ValueError):
             return int(self.version or 0)
 
+    def _next_rid_name(self, what: str) -> str:
+        self._rid_counter += 1
+        return f"{self.opts.worker_id}-{what}-{self._rid_counter}-{uuid.uuid4().hex[:6]}"
+
     def _next_rid(self, item: WorkItem) -> str:
         self._rid_counter += 1
         return f"{self.opts.worker_id}-{item.sample_id}-{self._rid_counter}-{uuid.uuid4().hex[:6]}"

@@ -99,3 +99,15 @@ async def long_episode(task, model, env):
         ok, text = await model.tool(slow_tool, marker_dir, task.sample_id, k, len(out.token_ids))
         await model.observe(text, role="tool")
     return Episode(n / 100.0, "env_done", {"tokens": float(n)})
+
+
+from asyncrl.agents.opsd import opsd  # noqa: E402
+
+
+@opsd(privileged=lambda task: "secret hint", clip=0.5)
+async def opsd_two_calls(task, model, env):
+    """Two calls with an observation between them, trained by self-distillation (clip 0.5)."""
+    await model.generate(max_tokens=5)
+    await model.observe("go on", role="user")
+    await model.generate(max_tokens=5)
+    return Episode(0.25)

@@ -353,3 +353,43 @@ async def test_kill9_mid_episode_and_mid_tool_call_resumes_elsewhere_losing_noth
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+
+
+# ---------------------------------------------------------------------------------------------- OPSD
+def test_opsd_advantages_by_hand():
+    from asyncrl.agents.opsd import opsd, opsd_advantages
+
+    assert opsd_advantages([-1.0, -2.0, -0.1, -9.0], [-1.5, -1.0, -4.0, -0.5], clip=2.0) == [0.5, -1.0, 2.0, -2.0]
+    with pytest.raises(ValueError, match="teacher has 1 logprobs, student 0"):
+        opsd_advantages([-1.0], [], clip=1.0)
+    with pytest.raises(ValueError, match="clip"):
+        opsd(clip=0.0)
+
+
+async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, tokenizer, model_dir):
+    """Per-token advantages = clip(log p(y | hint + prompt + y<) - log p(y | prompt + y<), 0.5), recomputed here."""
+    from asyncrl.models import load_causal_lm
+    from rollout_server.testing import recompute_logprobs
+
+    async with await ReplayBuffer.open(redis_url, "ep7", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "distil"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:opsd_two_calls")
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        group, samples = await buf.get_group("g0")
+        lm = load_causal_lm(model_dir)
+        hint = ChatFormat(tokenizer).message_ids("secret hint", "system")
+        assert tokenizer.decode(hint) == "<|im_start|>system\nsecret hint<|im_end|>\n"
+        clipped = 0
+        for s in samples:
+            env, calls = episode_layout(s.segments, len(s.response_ids))
+            assert s.reward == 0.25 and len(s.advantages) == len(s.response_ids)
+            for a, b in calls:
+                tgt = s.response_ids[a:b]
+                student = recompute_logprobs(lm, group.prompt_ids + s.response_ids[:a], tgt, 1.0)
+                teacher = recompute_logprobs(lm, hint + group.prompt_ids + s.response_ids[:a], tgt, 1.0)
+                want = [max(-0.5, min(0.5, t - u)) for t, u in zip(teacher, student)]
+                assert s.advantages[a:b] == pytest.approx(want, abs=1e-4)
+                clipped += sum(abs(t - u) > 0.5 for t, u in zip(teacher, student))
+            assert all(s.advantages[i] == 0.0 for a, b in env for i in range(a, b))
+        assert any(abs(x) > 1e-3 for s in samples for x in s.advantages), "teacher and student never differed"

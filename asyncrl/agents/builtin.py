@@ -4,6 +4,9 @@
   environment says so (``"Wrong answer. Try again."``, a user message that re-opens the
   assistant turn with the task's prefill) and the model tries again, up to ``agent.max_turns``
   calls. Reward: ``agent.turn_discount ** (k - 1)`` for a correct answer at call k, else 0.
+* ``arithmetic_opsd``: the single-turn task (one call) trained by on-policy self-distillation
+  (:mod:`asyncrl.agents.opsd`): the teacher is the policy told the gold answer; the reward
+  (correctness) is logged, the advantages are the teacher-minus-student log-ratios.
 * ``calculator``: harder arithmetic where the model may call a calculator by writing
   ``<calc>EXPRESSION</calc>``; the result comes back as a ``tool`` message
   (``<result>VALUE</result>``, or ``error: ...`` for an expression the calculator refuses), and
@@ -23,11 +26,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.agents.opsd import opsd
 from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask
 from asyncrl.rewards import check_answer
 
-__all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "calculator", "safe_calculate",
-           "CALC_PATTERN", "BUILTIN_WORKFLOWS"]
+__all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "arithmetic_opsd", "calculator",
+           "safe_calculate", "CALC_PATTERN", "BUILTIN_WORKFLOWS"]
 
 #: A calculator call in the model's output.
 CALC_PATTERN = re.compile(r"<calc>(.{1,200}?)</calc>", re.S)
@@ -114,6 +118,14 @@ async def arithmetic_retry(task: EpisodeTask, model: EpisodeModel, env: Arithmet
         await model.observe(env.feedback(), role="user", prefill=env.prefill)
 
 
+@opsd()
+async def arithmetic_opsd(task: EpisodeTask, model: EpisodeModel, env: ArithmeticRetryEnv) -> Episode:
+    """One answer, trained by on-policy self-distillation (module docstring)."""
+    out = await model.generate()
+    ok = await env.is_correct(out.text)
+    return Episode(1.0 if ok else 0.0, "env_done", {"correct": float(ok), "turn_correct": float(ok)})
+
+
 @dataclass
 class CalculatorEnv:
     """The environment of ``calculator``: runs calculator calls, checks the final answer."""
@@ -161,4 +173,5 @@ def _calc_env(agent: Any):
 BUILTIN_WORKFLOWS = {
     "arithmetic_retry": (arithmetic_retry, _arith_env),
     "calculator": (calculator, _calc_env),
+    "arithmetic_opsd": (arithmetic_opsd, _arith_env),
 }

@@ -100,3 +100,18 @@ class ChatFormat:
         """
         text = self.observation_text(content, role, prefill, after_ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def message_ids(self, content: str, role: str = "system") -> list[int]:
+        """One whole ``role`` message as the template renders it, tokenised once (for a hint prefix).
+
+        Returns:
+            (M,) ids of ``<open role> content <close>`` (ChatML: ``<|im_start|>role\ncontent<|im_end|>\n``).
+        """
+        before, after = self._open(role)
+        gen = self.tokenizer.apply_chat_template([{"role": "user", "content": "U"}], tokenize=False,
+                                                 add_generation_prompt=True)
+        plain = self.tokenizer.apply_chat_template([{"role": "user", "content": "U"}], tokenize=False)
+        open_assistant = gen[len(plain):] if gen.startswith(plain) else ""
+        if open_assistant and after.endswith(open_assistant):
+            after = after[: len(after) - len(open_assistant)]
+        return list(self.tokenizer(before + content + after, add_special_tokens=False)["input_ids"])

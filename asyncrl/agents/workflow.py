@@ -307,6 +307,11 @@ class EpisodeModel:
         self.tool_failures = 0
         self.replayed_calls = 0
         self.at_token_limit = False
+        #: ``await scorer(context_ids, target_ids) -> logprobs of target_ids`` from the engine's prompt
+        #: logprobs (set by the rollout worker; used by :func:`asyncrl.agents.opsd.opsd`); None in ``asyncrl eval``
+        self.scorer: Callable[[list[int], list[int]], Awaitable[list[float]]] | None = None
+        #: the same for the OPSD teacher when it is another model (``agent.opsd_teacher_url``); None: ``scorer``
+        self.teacher_scorer: Callable[[list[int], list[int]], Awaitable[list[float]]] | None = None
         self._t0 = time.monotonic()
 
     # ------------------------------------------------------------------ reading

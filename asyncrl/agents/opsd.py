@@ -1,0 +1,109 @@
+"""On-policy self-distillation (OPSD) as a decorator on a workflow's ``run`` (docs/agents.md).
+
+The student samples its own episode (the workflow as usual). Then, for every model call, the
+*teacher* — the same policy given privileged context (for the built-in tasks: the gold answer),
+or a configured reference model — scores the student's own tokens, and each token's advantage
+is the clipped teacher-minus-student log-ratio
+
+    A_t = clip(log pi_teacher(y_t | privileged context, y_<t) - log pi_student(y_t | context, y_<t), -c, c)
+
+a per-token reverse-KL signal (the policy-gradient form of on-policy distillation, Agarwal et
+al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+arXiv:2306.13649; with the teacher being the model itself given privileged information, Zhao et
+al. 2026, "Self-Distilled Reasoner: On-Policy Self-Distillation for Large Language Models",
+arXiv:2601.18734). The advantages are set on the steps, so the trainer takes the precomputed-
+advantage path and skips the group estimator (rllm PR #398's design: OPSD needs no grouping).
+
+Both log-probabilities come from the rollout engine's prompt logprobs — ``/generate`` with
+``max_new_tokens: 0``, ``return_logprob`` and ``logprob_start_len`` — so it works unchanged on
+SGLang, and teacher and student are computed the same way (same temperature handling).
+
+When to use it: when a privileged hint exists for every training problem (a reference answer
+or solution) and rewards are sparse or mostly equal within a group (GRPO then gets no signal;
+OPSD still gets one per token). It costs two extra prefills per model call. It does not need
+``n_samples_per_prompt > 1``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Awaitable, Callable, Sequence
+
+from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask
+
+__all__ = ["opsd", "gold_answer_hint", "opsd_advantages"]
+
+
+def gold_answer_hint(task: EpisodeTask) -> str:
+    """The default privileged context: a system message stating the task's gold answer.
+
+    Raises:
+        ValueError: the task has no ``gold`` in its metadata (give ``privileged=`` instead).
+    """
+    gold = task.metadata.get("gold")
+    if gold is None:
+        raise ValueError("OPSD's default teacher needs metadata['gold']; pass privileged=... to opsd()")
+    return f"The correct final answer is {gold}. Answer as if you had worked it out yourself."
+
+
+def opsd_advantages(teacher: Sequence[float], student: Sequence[float], clip: float) -> list[float]:
+    """``clip(teacher_t - student_t, -clip, clip)`` per token (the module docstring's formula).
+
+    Raises:
+        ValueError: the two sequences differ in length, or a value is not finite.
+    """
+    if len(teacher) != len(student):
+        raise ValueError(f"teacher has {len(teacher)} logprobs, student {len(student)}")
+    out = []
+    for t, s in zip(teacher, student):
+        d = float(t) - float(s)
+        if d != d or d in (float("inf"), float("-inf")):
+            raise ValueError("teacher/student logprobs must be finite")
+        out.append(max(-clip, min(clip, d)))
+    return out
+
+
+def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: float = 5.0,
+         role: str = "system") -> Callable[[Callable[..., Awaitable[Episode]]], Callable[..., Awaitable[Episode]]]:
+    """Decorate ``async def run(task, model, env)`` with on-policy self-distillation.
+
+    Args:
+        privileged: builds the privileged text from the task; it is prepended to the episode's
+            prompt as a ``role`` message (ChatML: ``<|im_start|>system ... <|im_end|>``), so the
+            teacher sees ``hint + prompt + the student's tokens``.
+        clip: c of the clipped log-ratio (nats), > 0.
+        role: chat role of the hint message.
+
+    Returns:
+        the wrapped workflow: it returns the same :class:`Episode`; every step gets per-token
+        ``advantages``. Without a scorer (``asyncrl eval``) the steps are left as they are.
+
+    Raises:
+        ValueError: ``clip <= 0``.
+    """
+    if clip <= 0:
+        raise ValueError(f"opsd clip must be > 0, got {clip}")
+
+    def wrap(run: Callable[..., Awaitable[Episode]]) -> Callable[..., Awaitable[Episode]]:
+        @functools.wraps(run)
+        async def wrapped(task: EpisodeTask, model: EpisodeModel, env: Any) -> Episode:
+            episode = await run(task, model, env)
+            if model.scorer is None or not model.steps:
+                return episode
+            hint_ids = model.chat.message_ids(privileged(task), role)
+            teacher_prompt = hint_ids + list(task.prompt_ids)
+            for step in model.steps:
+                target = list(step.output.token_ids)
+                if not target:
+                    step.advantages = []
+                    continue
+                before = model.response_ids[:step.start]
+                teacher = await (model.teacher_scorer or model.scorer)(teacher_prompt + before, target)
+                student = await model.scorer(list(task.prompt_ids) + before, target)
+                step.advantages = opsd_advantages(teacher, student, clip)
+            return episode
+
+        wrapped.opsd = True  # type: ignore[attr-defined]
+        return wrapped
+
+    return wrap
