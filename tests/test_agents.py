@@ -393,3 +393,27 @@ async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, toke
                 clipped += sum(abs(t - u) > 0.5 for t, u in zip(teacher, student))
             assert all(s.advantages[i] == 0.0 for a, b in env for i in range(a, b))
         assert any(abs(x) > 1e-3 for s in samples for x in s.advantages), "teacher and student never differed"
+
+
+# ---------------------------------------------------------------------------------------------- docs
+async def test_the_docs_example_workflow_runs(redis_url, server, tokenizer, tmp_path, monkeypatch):
+    """docs/agents.md's complete example, extracted from the page and run by a real worker."""
+    import re
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "agents.md").read_text()
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# example: docs/agents.md")]
+    (tmp_path / "docs_example.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("docs_example", None)
+    async with await ReplayBuffer.open(redis_url, "ep8", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "guess"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "docs_example:guess_the_number", max_turns=3)
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        _, samples = await buf.get_group("g0")
+        for s in samples:
+            assert s.info["termination"] in ("env_done", "turn_limit") and 1 <= s.info["turns"] <= 3
+            env, calls = episode_layout(s.segments, len(s.response_ids))
+            assert len(calls) == s.info["turns"] and len(env) == len(calls) - 1  # a hint after each wrong guess
