@@ -8,7 +8,14 @@
 -- advantages, info (a JSON object of an episode's termination and counts, '' for none; <= 4096 bytes).
 -- Result per item: the group state string, or the error string '!<CODE> <message>'.
 local function fail(code, msg) return '!' .. code .. ' ' .. msg end
+local state = {writing = false}
 local function one(sid, token, kind, value, advk, adv, info)
+  if kind ~= 'reward' and kind ~= 'error' then return fail('BAD_REQUEST', 'kind must be reward or error') end
+  if kind == 'reward' and not tonumber(value) then return fail('BAD_REQUEST', 'reward must be a number') end
+  if advk ~= '' and advk ~= 'scalar' and advk ~= 'tokens' then
+    return fail('BAD_REQUEST', 'advantages kind must be empty, scalar or tokens')
+  end
+  if advk == 'scalar' and #adv ~= 4 then return fail('BAD_REQUEST', 'a scalar advantage is one packed float32') end
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'gid', 'ids')
   if not f[1] then return fail('UNKNOWN', 'sample ' .. sid .. ' does not exist (committed, dropped or drained)') end
@@ -28,6 +35,7 @@ local function one(sid, token, kind, value, advk, adv, info)
     return fail('MALFORMED', 'group ' .. tostring(f[3]) .. ' of sample ' .. sid .. ' is missing or damaged')
   end
   local ns, nf = tonumber(g[2]), tonumber(g[3])
+  state.writing = true
   if kind == 'reward' then
     redis.call('HSET', sk, 'status', 'scored', 'reward', value, 'claim', '', 'updated', NOW)
     ns = ns + 1
@@ -63,6 +71,7 @@ end
 local out = {}
 for j = 0, tonumber(ARGV[12]) - 1 do
   local b = 13 + 7 * j
-  out[#out + 1] = one(ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
+  local res, e = isolated(state, one, ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
+  out[#out + 1] = res or ('!' .. e)
 end
 return out
