@@ -66,7 +66,9 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     context = check_context(cfg, max_prompt_tokens=1)
     scorer = RewardScorer.from_config(cfg.data)
     tokenizer = load_tokenizer(model_path)
-    api_key = cfg.security.api_key if (r.api_key_required or r.server_urls) else None
+    from asyncrl.secret_values import reveal
+
+    api_key = reveal(cfg.security.api_key) if (r.api_key_required or r.server_urls) else None
     base_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
     runner = None
@@ -90,7 +92,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
         port = free_port(r.host) if r.base_port == 0 else r.base_port + index
         opts = ServerOptions(
             model_path=model_path, host=r.host, port=port,
-            api_key=cfg.security.api_key if r.api_key_required else None,
+            api_key=reveal(cfg.security.api_key) if r.api_key_required else None,
             incremental_streaming_output=r.incremental_streaming, weight_version="0",
             max_running_requests=r.engine_max_batch_size, context_length=context,
             engine_threads=r.engine_threads, random_seed=cfg.run.seed + index,

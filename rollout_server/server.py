@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import os
 import sys
 import time
 import uuid
@@ -522,7 +523,9 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     add("model-path", required=True, help="HF model directory (or a name known to asyncrl models)")
     add("host", default="127.0.0.1")
     add("port", type=int, default=30000)
-    add("api-key", default=None)
+    # the key comes from the environment (ASYNCRL_ENGINE_API_KEY, what rollout_server.launch sets):
+    # a --api-key on the command line is visible to every user in `ps`
+    add("api-key", default=os.environ.get("ASYNCRL_ENGINE_API_KEY") or None)
     add("incremental-streaming-output", action="store_true", help="stream deltas instead of cumulative chunks")
     add("weight-version", default="default")
     add("max-running-requests", type=int, default=64)
