@@ -26,6 +26,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'ids', 'lps', 'vers', 'bver', 'bused', 'minv', 'maxv', 'seg_start', 'segs')
   if not f[1] then return fail('UNKNOWN', 'sample ' .. sid .. ' does not exist (committed, dropped or drained)') end
   if finish == 'restart' and f[2] == token and (f[1] == 'running' or f[1] == 'complete') then
+    state.writing = true
     reset_sample(sid, 'nondeterministic')
     return ok(0, 'pending')
   end
@@ -71,6 +72,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
       if tv < 0 or tv > v then return fail('BAD_REQUEST', 'observation token version ' .. tv .. ' outside [0, clock ' .. v .. ']') end
     end
     local len = cur + nnew
+    state.writing = true
     redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers, 'seg_start', len, 'updated', NOW)
     close_segment(sk, f[11], cur, len, FINISH_CODE.obs)
     redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
