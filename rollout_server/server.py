@@ -71,6 +71,12 @@ _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 _HEALTH_TIMEOUT_SECONDS = 20.0
 
 
+def metric_model_name(name: str | None) -> str:
+    """The ``model_name`` label of /metrics: the served name's last path component, so that a
+    model path (the default served name) never puts a filesystem path in a label (docs/security.md)."""
+    text = str(name or "")
+    return text.rstrip("/").rsplit("/", 1)[-1] or text
+
 class ServerOptions:
     """Options of one embedded server (the CLI flags mirror SGLang's names)."""
 
@@ -201,7 +207,7 @@ class RolloutHTTPServer(WeightEndpoints):
         self.registry.register(_EngineCollector(self))
 
     def _observe_finished(self, s: EngineSample) -> None:
-        name = self.opts.served_model_name
+        name = metric_model_name(self.opts.served_model_name)
         if s.first_token_time is not None:
             self._ttft.labels(name).observe(max(0.0, s.first_token_time - s.created_time))
         if s.finished_time is not None:
@@ -480,7 +486,7 @@ class _EngineCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         eng = self.server.engine
-        name = self.server.opts.served_model_name
+        name = metric_model_name(self.server.opts.served_model_name)
         load = eng.load()
         gauges = {
             "num_running_reqs": ("Running requests.", load["num_running_reqs"]),
