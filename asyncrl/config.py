@@ -183,6 +183,10 @@ class AsyncRLConfig(_Section):
 # ----------------------------------------------------------------------------------------------
 # loading
 
+#: Dotted config fields that are secrets: never coerced from YAML scalars, never written by
+#: :func:`dump_config`, warned about on the command line.
+SECRET_FIELDS = ("security.api_key", "security.redis_password", "buffer.redis_url")
+
 #: Flat flags users type as in LightRFT/AReaL, and the dotted field each one sets.
 HEADLINE_FLAGS: dict[str, str] = {
     "partial_percent": "rollout.partial_percent",
@@ -301,7 +305,10 @@ def parse_flags(argv: list[str]) -> tuple[Path | None, dict[str, Any]]:
             close = difflib.get_close_matches(dotted, sorted(known | set(HEADLINE_FLAGS)), n=3)
             hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
             raise ConfigError(f"unknown flag --{key}{hint} (`asyncrl config show --help` lists every field)")
-        _set_dotted(overrides, dotted, _coerce_scalar(value))
+        if dotted in SECRET_FIELDS and (dotted != "buffer.redis_url" or "@" in value):
+            warnings.warn(f"--{key} puts a secret on the command line, where every user sees it in `ps`: set "
+                          f"ASYNCRL_{dotted.upper().replace('.', '__')} instead (docs/security.md)", stacklevel=2)
+        _set_dotted(overrides, dotted, value if dotted in SECRET_FIELDS else _coerce_scalar(value))
     for key in deprecated_used:
         dotted, value, message = _DEPRECATED_FLAGS[key]
         warnings.warn(message, DeprecationWarning, stacklevel=2)
@@ -331,7 +338,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
         if dotted not in known:
             # Variables that are not config fields (e.g. ASYNCRL_TEST_*) are ignored, not errors.
             continue
-        _set_dotted(out, dotted, _coerce_scalar(value))
+        _set_dotted(out, dotted, value if dotted in SECRET_FIELDS else _coerce_scalar(value))  # a secret stays text
     return out
 
 
@@ -413,15 +420,35 @@ def load_config(
         raise ConfigError(format_validation_error(exc)) from None
 
 
+_DUMP_HEADER = (
+    "# Resolved asyncrl config. Secrets (security.api_key, security.redis_password and the password of\n"
+    "# buffer.redis_url) are never written here: pass them as ASYNCRL_SECURITY__API_KEY,\n"
+    "# ASYNCRL_SECURITY__REDIS_PASSWORD, ASYNCRL_BUFFER__REDIS_URL (docs/security.md).\n"
+)
+
+
+def public_dump(cfg: AsyncRLConfig) -> dict[str, Any]:
+    """``cfg`` as a JSON-able dict without secrets: API key and Redis password None, the Redis
+    URL without its password (host, port, user and db kept)."""
+    from asyncrl.secret_values import url_without_password
+
+    data = cfg.model_dump(mode="json")
+    data["security"]["api_key"] = None
+    data["security"]["redis_password"] = None
+    data["buffer"]["redis_url"] = url_without_password(cfg.buffer.redis_url)
+    return data
+
+
 def dump_config(cfg: AsyncRLConfig, path: Path) -> None:
-    """Write the resolved config as YAML (loadable with ``--config``), atomically."""
+    """Write the resolved config as YAML (loadable with ``--config``), atomically, mode 0600.
+
+    Secrets are left out (:func:`public_dump`): roles get them from their environment.
+    """
     import yaml
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    os.replace(tmp, path)
+    from asyncrl.secret_values import write_private
+
+    write_private(Path(path), _DUMP_HEADER + yaml.safe_dump(public_dump(cfg), sort_keys=False))
 
 
 def field_help(model: type[BaseModel] | None = None, prefix: str = "") -> list[tuple[str, str, str]]:

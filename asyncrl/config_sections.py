@@ -16,7 +16,7 @@ from typing import Literal
 
 import warnings
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 __all__ = [
     "train_batch_groups", "RunConfig", "ModelConfig", "ArithmeticConfig", "DataConfig", "RolloutConfig",
@@ -294,8 +294,8 @@ class StalePolicy(str, Enum):
 class BufferConfig(_Section):
     """The Redis replay buffer and the staleness knob ``max_staleness`` (``buffer.*``)."""
 
-    redis_url: str | None = None
-    """``redis://`` URL of the replay buffer; None starts an embedded redis-server in the run directory."""
+    redis_url: SecretStr | None = None
+    """``redis://[USER:PASSWORD@]HOST:PORT/DB`` URL of the replay buffer (a secret when it holds a password: redacted in dumps and logs; pass it as ``ASYNCRL_BUFFER__REDIS_URL``, docs/security.md); None starts an embedded redis-server in the run directory."""
     max_staleness: int = Field(0, ge=0, le=1000)
     """eta: most policy versions between a sample's oldest token and the version it is trained at."""
     stale_policy: StalePolicy = StalePolicy.restart
@@ -498,12 +498,12 @@ class MonitoringConfig(_Section):
 
 
 class SecurityConfig(_Section):
-    """API key and Redis password (``security.*``)."""
+    """API key and Redis password (``security.*``); both are secrets (docs/security.md)."""
 
-    api_key: str | None = None
-    """Bearer token required by rollout-server endpoints that change state (None: open; loopback only by default)."""
-    redis_password: str | None = None
-    """Password of the Redis server (the embedded server generates one when None)."""
+    api_key: SecretStr | None = Field(None, min_length=1, max_length=512)
+    """Bearer token required by rollout-server endpoints that change state (None: open; loopback only by default). A secret: never dumped or logged; pass it as ``ASYNCRL_SECURITY__API_KEY``, and roles get it from the environment, never argv."""
+    redis_password: SecretStr | None = Field(None, min_length=1, max_length=512)
+    """Admin (``default`` user) password of the embedded Redis (generated when None). A secret: never dumped or logged; pass it as ``ASYNCRL_SECURITY__REDIS_PASSWORD``. The roles of ``asyncrl train`` get their own Redis users with generated passwords (docs/security.md)."""
 
 
 class ResourcesConfig(_Section):

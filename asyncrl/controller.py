@@ -186,10 +186,11 @@ class Controller:
 
     def _prepare_run_dir(self) -> None:
         from asyncrl.config import dump_config
+        from asyncrl.secret_values import private_dir
         from asyncrl.tracking import RunClock
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(self.cfg, self.cfg_path)
+        private_dir(self.run_dir)  # 0700: config, logs, checkpoints, weights and the AOF are the owner's only
+        dump_config(self.cfg, self.cfg_path)  # 0600, without secrets
         previous = self._read_state()
         sessions = int(previous.get("sessions", 0)) + 1
         before_wall = float(previous.get("wall_seconds", 0.0)) if self.resumed else 0.0
@@ -203,23 +204,39 @@ class Controller:
     def _start_redis(self) -> None:
         from asyncrl.redis_server import make_embedded_redis
 
+        from asyncrl.secret_values import reveal
+
         if self.cfg.buffer.redis_url:
-            self.redis_url = self.cfg.buffer.redis_url
+            self.redis_url = reveal(self.cfg.buffer.redis_url) or ""
             return
-        port = None
         if self.redis is not None:
-            port = self.redis.port  # restart on the same port and password (children keep their URL)
-        password = self.redis.password if self.redis is not None else self.cfg.security.redis_password
-        self.redis = make_embedded_redis(self.run_dir / "redis", port, password).start()
+            self.redis.start()  # restart on the same port, files and passwords (children keep their URLs)
+            return
+        self.redis = make_embedded_redis(self.run_dir / "redis", None, self.cfg.security.redis_password,
+                                         run=self.cfg.run.name).start()
         self.redis_url = self.redis.url
+
+    def role_redis_url(self, role: str) -> str:
+        """The Redis URL a role's process gets (in its environment): its own ACL user on the
+        embedded server, else the one configured URL (``buffer.redis_url``, every role alike)."""
+        if self.redis is not None and role in self.redis.role_passwords:
+            return self.redis.url_for(role)
+        return self.redis_url
 
     def role_specs(self, assignment: Assignment) -> list[Any]:
         """The feeder, rollout server and trainer :class:`~asyncrl.supervisor.RoleSpec` s
         (:func:`asyncrl.roles.role_specs`); keeps the rollout servers' URLs."""
         from asyncrl.roles import child_env, role_specs
+        from asyncrl.secret_values import API_KEY_ENV, REDIS_URL_ENV, reveal
 
-        specs, self.rollout_urls = role_specs(self.cfg, self.cfg_path, child_env(self.cfg, self.redis_url, self.run_dir),
-                                              assignment)
+        env = child_env(self.cfg, self.redis_url, self.run_dir)
+        api_key = reveal(self.cfg.security.api_key)
+        if api_key:
+            env[API_KEY_ENV] = api_key  # config.yaml holds no secrets: roles get them from the environment
+        specs, self.rollout_urls = role_specs(self.cfg, self.cfg_path, env, assignment)
+        for spec in specs:  # each role its own Redis user (docs/security.md)
+            role = "rollout" if spec.name.startswith("rollout") else spec.name
+            spec.env[REDIS_URL_ENV] = self.role_redis_url(role if role in ("feeder", "rollout", "trainer") else "controller")
         return specs
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -279,7 +296,7 @@ class Controller:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                env={**os.environ, "ASYNCRL_BUFFER__REDIS_URL": self.redis_url})
+                env=dict(os.environ))  # evaluation needs no Redis: it gets no credentials
             done = asyncio.ensure_future(proc.communicate())
             while not done.done():
                 await asyncio.wait([done], timeout=0.5)

@@ -8,7 +8,11 @@
   reopened on restart); a power loss may lose the last second (docs/architecture.md#redis-layout-and-guarantees);
 * data in the run directory (``<dir>/appendonlydir``), so a restart on the same directory
   recovers every key;
-* loopback only and a generated password (``requirepass``), protected mode on.
+* loopback only, protected mode on, and Redis ACL users (asyncrl/redis_acl.py): the admin
+  (``default``) with a generated or given password and, with ``role_users``, one user per role
+  with its own generated password and only the commands and keys that role needs;
+* no secret on its command line: the settings are in ``<dir>/redis.conf`` and the users in
+  ``<dir>/users.acl`` (password SHA-256 hashes), both ``0600`` in a ``0700`` directory.
 
 The test fixtures start the same server on a free loopback port.
 
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from asyncrl.net import free_port
 
@@ -85,11 +90,15 @@ class RedisServer:
     """A redis-server child process with AOF in ``data_dir``.
 
     Args:
-        data_dir: directory for the AOF (created if missing); reuse it to recover the data.
+        data_dir: directory for the AOF (created ``0700`` if missing); reuse it to recover the data.
         port: TCP port on ``host`` (None: a free port).
-        password: ``requirepass`` (None: generated; ``""``: no password).
+        password: the admin (``default`` user) password, ``str`` or ``SecretStr`` (None:
+            generated; ``""``: no password).
         host: bind address (loopback by default).
         binary: redis-server path (None: :func:`find_redis_binary`).
+        role_users: also create one ACL user per role (:data:`asyncrl.redis_acl.ROLES`) with a
+            generated password (:meth:`url_for`).
+        run: the run whose keys the role users may touch (``*``: every run).
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -98,41 +107,78 @@ class RedisServer:
         self,
         data_dir: Path | str,
         port: int | None = None,
-        password: str | None = None,
+        password: Any = None,
         host: str = "127.0.0.1",
         binary: str | None = None,
+        role_users: bool = False,
+        run: str = "*",
     ) -> None:
+        from asyncrl.redis_acl import generate_passwords
+        from asyncrl.secret_values import reveal
+
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
-        self.password = secrets.token_hex(16) if password is None else password
+        self.password = secrets.token_hex(16) if password is None else (reveal(password) or "")
         self.binary = binary or find_redis_binary()
+        self.role_passwords: dict[str, str] = generate_passwords() if role_users else {}
+        self.run = run
         self.proc: subprocess.Popen | None = None
+
+    def __repr__(self) -> str:  # never the passwords
+        return f"RedisServer({str(self.data_dir)!r}, host={self.host!r}, port={self.port}, roles={sorted(self.role_passwords)})"
 
     @property
     def url(self) -> str:
-        """``redis://[:password@]host:port/0``."""
+        """The admin URL ``redis://[:password@]host:port/0`` (a secret: never print or log it)."""
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
+    def url_for(self, role: str) -> str:
+        """``redis://<role>:<password>@host:port/0`` of a role's ACL user (a secret).
+
+        Raises:
+            KeyError: the server was created without ``role_users`` or ``role`` is not a role.
+        """
+        return f"redis://{role}:{self.role_passwords[role]}@{self.host}:{self.port}/0"
+
+    @property
+    def selectors(self) -> bool:
+        """True when the binary supports ACL selectors (read-only key patterns, Redis >= 7.0)."""
+        return _redis_version(self.binary) >= (7, 0)
+
+    def config_text(self) -> str:
+        """``redis.conf``: AOF everysec, loopback, protected mode, no RDB snapshots, the ACL file."""
+        def q(path: Path) -> str:
+            return '"' + str(path.resolve()).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+        return "\n".join([
+            f"port {int(self.port)}",
+            f"bind {self.host}",
+            f"dir {q(self.data_dir)}",
+            "appendonly yes",
+            "appendfsync everysec",
+            'save ""',
+            "protected-mode yes",
+            "daemonize no",
+            "loglevel warning",
+            "logfile redis.log",
+            f"aclfile {q(self.data_dir / 'users.acl')}",
+        ]) + "\n"
+
+    def write_config(self) -> Path:
+        """Write ``redis.conf`` and ``users.acl`` (both ``0600``, directory ``0700``); returns the config path."""
+        from asyncrl.redis_acl import acl_file_text
+        from asyncrl.secret_values import private_dir, write_private
+
+        private_dir(self.data_dir)
+        acl = acl_file_text(self.password, self.role_passwords, self.run, self.selectors)
+        write_private(self.data_dir / "users.acl", acl)
+        return write_private(self.data_dir / "redis.conf", self.config_text())
+
     def command_line(self) -> list[str]:
-        """The redis-server command line (AOF everysec, loopback, password, no RDB snapshots)."""
-        args = [
-            self.binary,
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--dir", str(self.data_dir.resolve()),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--protected-mode", "yes",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", "redis.log",
-        ]
-        if self.password:
-            args += ["--requirepass", self.password]
-        return args
+        """The redis-server command line: the binary and its config file (no secret in it)."""
+        return [self.binary, str((self.data_dir / "redis.conf").resolve())]
 
     def start(self, timeout: float = 20.0) -> "RedisServer":
         """Start the server and wait until it answers PING (and has loaded its AOF).
@@ -141,7 +187,7 @@ class RedisServer:
             RedisServerError: the process exited or did not answer within ``timeout`` seconds;
                 the message includes the end of its log.
         """
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.write_config()
         try:
             self.proc = subprocess.Popen(
                 self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -204,7 +250,7 @@ class RedisServer:
         self.stop()
 
 
-def make_embedded_redis(data_dir: Path, port: int | None, password: str | None) -> RedisServer:
+def make_embedded_redis(data_dir: Path, port: int | None, password: Any, run: str = "*") -> RedisServer:
     """A :class:`RedisServer` that dies with the controller of ``asyncrl train``.
 
     Its command line is wrapped in ``setpriv --pdeathsig TERM`` (util-linux) when available, so
@@ -224,22 +270,53 @@ def make_embedded_redis(data_dir: Path, port: int | None, password: str | None) 
                 cmd = [setsid, *cmd]  # (the child is never a group leader, so setsid execs in place)
             return cmd
 
-    return _EmbeddedRedis(data_dir, port=port, password=password)
+    return _EmbeddedRedis(data_dir, port=port, password=password, role_users=True, run=run)
+
+
+def write_credentials(server: RedisServer, path: Path) -> Path:
+    """Write the admin and role URLs of ``server`` as ``KEY=URL`` lines to ``path`` (mode ``0600``).
+
+    Keys: ``ASYNCRL_BUFFER__REDIS_URL`` (the admin) and ``ASYNCRL_REDIS_URL_<ROLE>`` per role:
+    ``set -a; . FILE`` in a shell, or give each role's process its line as
+    ``ASYNCRL_BUFFER__REDIS_URL`` (docs/security.md).
+    """
+    from asyncrl.secret_values import write_private
+
+    lines = [f"ASYNCRL_BUFFER__REDIS_URL={server.url}"]
+    lines += [f"ASYNCRL_REDIS_URL_{role.upper()}={server.url_for(role)}" for role in sorted(server.role_passwords)]
+    return write_private(path, "\n".join(lines) + "\n")
 
 
 def main(argv: list[str]) -> int:
-    """``asyncrl redis [--dir D] [--port P] [--password PW]``: run until SIGTERM/SIGINT."""
+    """``asyncrl redis [--dir D] [--port P] [--host H] [--run RUN]``: run until SIGTERM/SIGINT.
+
+    The admin password comes from ``$ASYNCRL_SECURITY__REDIS_PASSWORD`` (generated when unset;
+    ``--password`` still works but is visible in ``ps``). Every role gets its own ACL user; the
+    URLs with their passwords are written to ``<dir>/credentials.env`` (``0600``); stdout gets
+    the admin URL without its password.
+    """
     import argparse
+
+    from asyncrl.secret_values import url_without_password
 
     parser = argparse.ArgumentParser(prog="asyncrl redis", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="runs/redis", help="data directory for the AOF (default: runs/redis)")
     parser.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free port)")
-    parser.add_argument("--password", default=None, help="password (default: generated)")
+    parser.add_argument("--password", default=None,
+                        help="admin password: visible in `ps`, prefer $ASYNCRL_SECURITY__REDIS_PASSWORD (default: generated)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--run", default="*", help="run whose keys the role users may touch (default: every run)")
     args = parser.parse_args(argv)
+    password = os.environ.get("ASYNCRL_SECURITY__REDIS_PASSWORD") or None
+    if args.password is not None:
+        print("asyncrl redis: --password is visible to every user in `ps`; set ASYNCRL_SECURITY__REDIS_PASSWORD "
+              "instead (docs/security.md)", file=sys.stderr)
+        password = args.password
     try:
-        server = RedisServer(args.dir, port=args.port, password=args.password, host=args.host).start()
-    except RedisServerError as exc:
+        server = RedisServer(args.dir, port=args.port, password=password, host=args.host, role_users=True,
+                             run=args.run).start()
+        creds = write_credentials(server, Path(args.dir) / "credentials.env")
+    except (RedisServerError, ValueError) as exc:
         print(f"asyncrl redis: {exc}", file=sys.stderr)
         return 1
     stopping = False
@@ -250,8 +327,9 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    print(server.url, flush=True)
-    print(f"asyncrl redis: serving {Path(args.dir).resolve()} (AOF everysec); SIGTERM or Ctrl-C stops", file=sys.stderr)
+    print(url_without_password(server.url), flush=True)
+    print(f"asyncrl redis: serving {Path(args.dir).resolve()} (AOF everysec); admin and per-role URLs with their "
+          f"passwords in {creds.resolve()} (0600); SIGTERM or Ctrl-C stops", file=sys.stderr)
     try:
         while not stopping and server.proc is not None and server.proc.poll() is None:
             time.sleep(0.2)

@@ -426,6 +426,9 @@ class RewardScorer:
     def from_config(cls, data: Any, reward: Any = None, api_key: str | None = None) -> "RewardScorer":
         """From the ``data`` config section and, when ``reward.model`` is enabled, a reward-model client
         (``api_key``: ``security.api_key``, sent when ``reward.model.api_key_required``)."""
+        from asyncrl.secret_values import reveal
+
+        api_key = reveal(api_key)  # a SecretStr from the config, or plain text
         rm = None
         if reward is not None and reward.model.enabled:
             from asyncrl.reward_model import RewardModelClient

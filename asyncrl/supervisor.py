@@ -9,7 +9,8 @@ What the supervisor does:
 
 * **Start.** ``subprocess.Popen`` in a new session (so a terminal's Ctrl-C reaches only the
   controller, which then stops the children *in order*), stdout+stderr appended to
-  ``<log_dir>/<name>.log``. In the child, before ``exec``: ``sched_setaffinity`` to the
+  ``<log_dir>/<name>.log`` (mode 0600). In the child, before ``exec``: umask 077 (its files
+  are private to the run's user), ``sched_setaffinity`` to the
   assigned cores and ``PR_SET_PDEATHSIG`` = SIGTERM (a child never outlives a controller that
   was SIGKILLed). ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = number of assigned cores (torch
   reads them for its intra-op pool), ``CUDA_VISIBLE_DEVICES`` = the assigned GPUs.
@@ -217,6 +218,7 @@ def _make_preexec(cores: list[int] | None, nice: int = 0) -> Callable[[], None]:
     core_set = set(cores) if cores else None
 
     def preexec() -> None:
+        os.umask(0o077)  # what a role writes (logs, checkpoints, weights) is its owner's only (docs/security.md)
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if core_set is not None:
@@ -298,7 +300,7 @@ class Supervisor:
 
     def _spawn(self, spec: RoleSpec, attempt: int) -> tuple[subprocess.Popen, Path]:
         log_path = self.log_dir / f"{spec.name}.log"
-        log = open(log_path, "ab")
+        log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         log.write(
             f"=== asyncrl supervisor: starting {spec.name} (attempt {attempt + 1}) at {stamp}; "

@@ -13,6 +13,8 @@ from buffers.errors import (
     InvalidTransition,
     LeaseLost,
     MalformedData,
+    NotPermitted,
+    PartialWrite,
     SchemaMismatch,
     SettingsMismatch,
     UnknownItem,
@@ -23,5 +25,6 @@ from buffers.errors import (
 __all__ = [
     "ReplayBuffer", "BufferSettings", "FINISH_REASONS", "STALE_POLICIES", "BufferError", "BadOffset",
     "BadRequest", "CursorMismatch", "DuplicateItem", "InvalidTransition", "LeaseLost", "MalformedData",
+    "NotPermitted", "PartialWrite",
     "SchemaMismatch", "SettingsMismatch", "UnknownItem", "VersionAhead", "VersionConflict",
 ]

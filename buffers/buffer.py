@@ -95,7 +95,8 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         self._owns = owns_client
         self._scripts = Scripts(redis)
         self.clock = VersionClock(redis, run, self._scripts)
-        self._head = [self.prefix + "schema"]
+        # KEYS[1]: a key every role may write (Redis ACLs treat a script's declared keys as read-write)
+        self._head = [self.prefix + "stats"]
         self._argv = [self.prefix, SCHEMA_VERSION, *settings.lua_args()]
         self._appends = Coalescer(lambda *a: self._run("append", *a), _decode_append)
         self._scores = Coalescer(lambda *a: self._run("score", *a), _decode_score)
@@ -109,7 +110,8 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         """Open (create on first use) the keyspace of ``run``.
 
         Args:
-            redis: ``redis://`` URL or a ``redis.asyncio.Redis`` created with ``decode_responses=False``.
+            redis: ``redis://[USER:PASSWORD@]HOST:PORT/DB`` URL (``str`` or pydantic ``SecretStr``)
+                or a ``redis.asyncio.Redis`` created with ``decode_responses=False``.
             run: run name (``asyncrl:{<run>}:`` prefix).
             settings: the knobs; stored on first open, must equal the stored ones afterwards;
                 None uses the stored ones (tools), or raises when the run does not exist.
@@ -118,14 +120,17 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         Raises:
             SchemaMismatch: another schema version, or foreign keys under the prefix.
             SettingsMismatch: ``settings`` differ from the stored ones.
-            UnknownItem: ``settings`` is None and the run does not exist.
+            UnknownItem: ``settings`` is None and the run does not exist, or the run does not exist
+                and these credentials (a role's Redis user) may not create it.
             MalformedData: stored settings cannot be parsed.
         """
-        owns = isinstance(redis, str)
+        owns = isinstance(redis, str) or hasattr(redis, "get_secret_value")
         if owns:
             import redis.asyncio as aioredis
 
-            client = aioredis.Redis.from_url(redis, decode_responses=False, max_connections=max_connections)
+            from asyncrl.secret_values import reveal
+
+            client = aioredis.Redis.from_url(reveal(redis) or "", decode_responses=False, max_connections=max_connections)
         else:
             client = redis
             if client.connection_pool.connection_kwargs.get("decode_responses"):
@@ -143,10 +148,20 @@ class ReplayBuffer(BufferInspection, PassRateStore):
                     )
                 if settings is None:
                     raise UnknownItem(f"run {run!r} has no buffer yet; open it with settings first")
-                async with client.pipeline(transaction=True) as pipe:
-                    pipe.set(prefix + "schema", SCHEMA_VERSION, nx=True)
-                    pipe.set(prefix + "settings", settings.to_json(), nx=True)
-                    await pipe.execute()
+                from redis.exceptions import NoPermissionError, ResponseError
+
+                try:
+                    async with client.pipeline(transaction=True) as pipe:
+                        pipe.set(prefix + "schema", SCHEMA_VERSION, nx=True)
+                        pipe.set(prefix + "settings", settings.to_json(), nx=True)
+                        await pipe.execute()
+                except (NoPermissionError, ResponseError) as exc:
+                    if "NOPERM" not in str(exc) and not isinstance(exc, NoPermissionError):
+                        raise
+                    raise UnknownItem(
+                        f"run {run!r} has no buffer yet and these Redis credentials may not create it: "
+                        "the controller (or feeder) creates it; start it first (docs/security.md)"
+                    ) from None
                 stored = await client.get(prefix + "schema")
             if _s(stored) != SCHEMA_VERSION:
                 raise SchemaMismatch(
@@ -238,7 +253,10 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         return await self._claims.submit([worker_id, int(max_items)])
 
     @staticmethod
-    def _decode_claim(rows: list) -> list[WorkItem]:
+    def _decode_claim(rows: Any) -> Any:
+        """One request's rows -> WorkItems; ``!<CODE> <message>`` -> its exception."""
+        if isinstance(rows, (bytes, str)):
+            return decode_error(_s(rows)[1:])
         items = []
         for r in rows:
             ids = unpack_i32(r[6])

@@ -18,7 +18,10 @@ import os
 import sys
 from typing import Any
 
-USAGE_EPILOG = "examples: asyncrl buffer stats --redis_url redis://:pw@127.0.0.1:6379/0 --run myrun --json"
+USAGE_EPILOG = (
+    "examples: ASYNCRL_BUFFER__REDIS_URL=redis://:PASSWORD@127.0.0.1:6379/0 asyncrl buffer stats --run myrun --json "
+    "(a password on the command line is visible to every user in `ps`: pass it in the environment; docs/security.md)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis_url", default=os.environ.get("ASYNCRL_BUFFER__REDIS_URL"),
-                        help="redis:// URL of the buffer (default: $ASYNCRL_BUFFER__REDIS_URL)")
+                        help="redis:// URL of the buffer (default: $ASYNCRL_BUFFER__REDIS_URL; put a URL with a "
+                             "password there, not on the command line)")
     common.add_argument("--run", default="asyncrl", help="run name (key prefix asyncrl:{RUN}:), default asyncrl")
     common.add_argument("--json", action="store_true", help="machine-readable JSON output")
     sub.add_parser("stats", parents=[common], help="counts by state, staleness, partial ratio, drops, lineage")
@@ -57,7 +61,7 @@ async def _amain(args: argparse.Namespace) -> int:
     try:
         buf = await ReplayBuffer.open(args.redis_url, args.run, None)
     except BufferError as exc:
-        print(f"asyncrl buffer: {exc}", file=sys.stderr)
+        print(f"asyncrl buffer: {_redact(str(exc), args.redis_url)}", file=sys.stderr)
         return 1
     try:
         if args.action == "stats":
@@ -101,6 +105,17 @@ async def _amain(args: argparse.Namespace) -> int:
         await buf.close()
 
 
+def _redact(text: str, url: str) -> str:
+    """``text`` with the URL's password (should an error message echo it) replaced by ``***``."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return text
+    return text.replace(password, "***") if password else text
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``asyncrl buffer``; returns the exit code (2: usage, 1: buffer error)."""
     parser = _parser()
@@ -116,5 +131,8 @@ def main(argv: list[str]) -> int:
     try:
         return asyncio.run(_amain(args))
     except (OSError, RedisError) as exc:
-        print(f"asyncrl buffer: cannot reach {args.redis_url}: {exc}", file=sys.stderr)
+        from asyncrl.secret_values import redact_url
+
+        print(f"asyncrl buffer: cannot reach {redact_url(args.redis_url)}: {_redact(str(exc), args.redis_url)}",
+              file=sys.stderr)
         return 1

@@ -21,6 +21,8 @@ __all__ = [
     "VersionAhead",
     "BadRequest",
     "BadOffset",
+    "PartialWrite",
+    "NotPermitted",
     "from_response",
     "error_for",
 ]
@@ -78,6 +80,15 @@ class BadOffset(BadRequest):
     """A chunk was appended at an offset other than the stored response length."""
 
 
+class PartialWrite(BufferError):
+    """One item of a multi-item script failed after it had begun writing (a Redis error mid-way):
+    that item may be partly applied; its neighbours in the same call are unaffected."""
+
+
+class NotPermitted(BufferError):
+    """These Redis credentials may not do this (a role's ACL user, docs/security.md)."""
+
+
 _CODES: dict[str, type[BufferError]] = {
     "SCHEMA": SchemaMismatch,
     "MALFORMED": MalformedData,
@@ -90,6 +101,7 @@ _CODES: dict[str, type[BufferError]] = {
     "VERSION_AHEAD": VersionAhead,
     "BAD_REQUEST": BadRequest,
     "BAD_OFFSET": BadOffset,
+    "PARTIAL": PartialWrite,
 }
 
 
@@ -105,6 +117,8 @@ def from_response(exc: Exception) -> Exception:
     :class:`MalformedData`; anything not from a script is returned unchanged.
     """
     text = str(exc)
+    if text.startswith("NOPERM") or "can't access at least one of the keys" in text or "has no permissions" in text:
+        return NotPermitted(f"these Redis credentials are not allowed this operation (docs/security.md): {text}")
     if text.startswith("ASYNCRL_"):
         code, _, msg = text[len("ASYNCRL_"):].partition(" ")
         return _CODES.get(code, BufferError)(msg)

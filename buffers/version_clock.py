@@ -69,7 +69,7 @@ class VersionClock:
             raise BadRequest(f"publish needs a version >= 0 and a uri (got {version!r}, {uri!r})")
         res = await self._scripts.run(
             "publish",
-            [self.prefix + "schema"],
+            [self.prefix + "stats"],
             [self.prefix, SCHEMA_VERSION, int(version), uri, checksum,
              "" if expected_version is None else int(expected_version), self.channel],
         )

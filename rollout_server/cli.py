@@ -69,7 +69,8 @@ def main(argv: list[str]) -> int:
                   "--worker_id ID, --metrics_port P (attached mode)")
         return cfg
     if not cfg.buffer.redis_url:
-        print("asyncrl rollout-server: buffer.redis_url is not set (--redis_url redis://:PASSWORD@HOST:PORT/0)",
+        print("asyncrl rollout-server: buffer.redis_url is not set (ASYNCRL_BUFFER__REDIS_URL=redis://USER:PASSWORD@HOST:PORT/0 "
+              "in the environment: a password on the command line is visible in `ps`, docs/security.md)",
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

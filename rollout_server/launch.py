@@ -60,8 +60,8 @@ def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
         cmd += ["--engine-threads", str(r.engine_threads)]
     if cfg.model.max_context_len is not None:
         cmd += ["--context-length", str(cfg.model.max_context_len)]
-    if r.api_key_required and cfg.security.api_key:
-        cmd += ["--api-key", cfg.security.api_key]
+    # the API key is never on the command line (visible in `ps`): launch_servers passes it in the
+    # environment (ENGINE_API_KEY_ENV), which rollout_server.server reads
     return cmd
 
 
@@ -77,7 +77,9 @@ async def launch_servers(cfg: "AsyncRLConfig", model_path: str | None = None, we
     from rollout_server.sglang import sglang_available, sglang_command
 
     r = cfg.rollout
-    api_key = cfg.security.api_key if r.api_key_required else None
+    from asyncrl.secret_values import ENGINE_API_KEY_ENV, reveal
+
+    api_key = reveal(cfg.security.api_key) if r.api_key_required else None
     if r.server_urls:
         handles = [ServerHandle(u.rstrip("/")) for u in r.server_urls]
     else:
@@ -98,6 +100,9 @@ async def launch_servers(cfg: "AsyncRLConfig", model_path: str | None = None, we
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 out = open(log_path, "ab")
             child_env = dict(os.environ, **(env or {}))
+            child_env.pop(ENGINE_API_KEY_ENV, None)
+            if api_key and build is engine_command:
+                child_env[ENGINE_API_KEY_ENV] = api_key
             proc = subprocess.Popen(build(cfg, model_path, port, weight_version), stdout=out, stderr=subprocess.STDOUT,
                                     env=child_env)
             handles.append(ServerHandle(f"http://{r.host}:{port}", proc, log_path))

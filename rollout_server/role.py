@@ -64,9 +64,12 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
 
     model_path = str(resolve_model_path(cfg.model.path))
     context = check_context(cfg, max_prompt_tokens=1)
-    scorer = RewardScorer.from_config(cfg.data, cfg.reward, cfg.security.api_key)
     tokenizer = load_tokenizer(model_path)
-    api_key = cfg.security.api_key if (r.api_key_required or r.server_urls) else None
+    from asyncrl.secret_values import reveal
+
+    scorer = RewardScorer.from_config(cfg.data, cfg.reward, reveal(cfg.security.api_key))
+
+    api_key = reveal(cfg.security.api_key) if (r.api_key_required or r.server_urls) else None
     base_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
     runner = None
@@ -90,7 +93,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
         port = free_port(r.host) if r.base_port == 0 else r.base_port + index
         opts = ServerOptions(
             model_path=model_path, host=r.host, port=port,
-            api_key=cfg.security.api_key if r.api_key_required else None,
+            api_key=reveal(cfg.security.api_key) if r.api_key_required else None,
             incremental_streaming_output=r.incremental_streaming, weight_version="0",
             max_running_requests=r.engine_max_batch_size, context_length=context,
             engine_threads=r.engine_threads, random_seed=cfg.run.seed + index,

@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import os
 import sys
 import time
 import uuid
@@ -69,6 +70,12 @@ VERSION = "asyncrl-embedded-0.1.0"
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 _HEALTH_TIMEOUT_SECONDS = 20.0
 
+
+def metric_model_name(name: str | None) -> str:
+    """The ``model_name`` label of /metrics: the served name's last path component, so that a
+    model path (the default served name) never puts a filesystem path in a label (docs/security.md)."""
+    text = str(name or "")
+    return text.rstrip("/").rsplit("/", 1)[-1] or text
 
 class ServerOptions:
     """Options of one embedded server (the CLI flags mirror SGLang's names)."""
@@ -200,7 +207,7 @@ class RolloutHTTPServer(WeightEndpoints):
         self.registry.register(_EngineCollector(self))
 
     def _observe_finished(self, s: EngineSample) -> None:
-        name = self.opts.served_model_name
+        name = metric_model_name(self.opts.served_model_name)
         if s.first_token_time is not None:
             self._ttft.labels(name).observe(max(0.0, s.first_token_time - s.created_time))
         if s.finished_time is not None:
@@ -479,7 +486,7 @@ class _EngineCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         eng = self.server.engine
-        name = self.server.opts.served_model_name
+        name = metric_model_name(self.server.opts.served_model_name)
         load = eng.load()
         gauges = {
             "num_running_reqs": ("Running requests.", load["num_running_reqs"]),
@@ -522,7 +529,9 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     add("model-path", required=True, help="HF model directory (or a name known to asyncrl models)")
     add("host", default="127.0.0.1")
     add("port", type=int, default=30000)
-    add("api-key", default=None)
+    # the key comes from the environment (ASYNCRL_ENGINE_API_KEY, what rollout_server.launch sets):
+    # a --api-key on the command line is visible to every user in `ps`
+    add("api-key", default=os.environ.get("ASYNCRL_ENGINE_API_KEY") or None)
     add("incremental-streaming-output", action="store_true", help="stream deltas instead of cumulative chunks")
     add("weight-version", default="default")
     add("max-running-requests", type=int, default=64)

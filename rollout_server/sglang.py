@@ -90,6 +90,9 @@ def sglang_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
     if cfg.model.max_context_len is not None:
         cmd += ["--context-length", str(cfg.model.max_context_len)]
     if r.api_key_required and cfg.security.api_key:
-        cmd += ["--api-key", cfg.security.api_key]
+        from asyncrl.secret_values import reveal
+
+        # SGLang takes its key on the command line only: visible in `ps` (docs/security.md)
+        cmd += ["--api-key", reveal(cfg.security.api_key) or ""]
     cmd += list(r.sglang_args)
     return cmd

@@ -261,6 +261,13 @@ def test_services_select_existing_pods_and_ports(rendered):
             assert _by(objs, "Service", o["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
 
 
+#: Keys of the Secret asyncrl-secrets (docs/kubernetes.md, docs/security.md): the API key, the Redis
+#: admin password and one password per role's Redis user.
+SECRET_KEYS = ("api-key", "redis-password", *(f"redis-{r}-password" for r in ("controller", "feeder", "rollout", "trainer")))
+#: The Redis user of each pod.
+REDIS_USER = {"asyncrl-rollout": "rollout", "asyncrl-trainer": "trainer", "asyncrl-controller": "controller"}
+
+
 def test_references_resolve(rendered):
     """ConfigMaps and PVCs that pods mount exist; the only external object is the Secret the
     docs tell the user to create (asyncrl-secrets, keys redis-password and api-key)."""
@@ -287,7 +294,7 @@ def test_references_resolve(rendered):
             for e in c.get("env", []):
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
-                    assert ref["name"] == "asyncrl-secrets" and ref["key"] in ("redis-password", "api-key")
+                    assert ref["name"] == "asyncrl-secrets" and ref["key"] in SECRET_KEYS
             # $(VAR) references are defined earlier in the same env list (Kubernetes expands only those)
             defined: set[str] = set()
             for e in c.get("env", []):
@@ -319,8 +326,10 @@ def test_run_config_loads_and_matches_the_manifests(overlay, tmp_path):
                 dotted = var[len("ASYNCRL_"):].lower().replace("__", ".")
                 assert dotted in known, f"{n}: {var} is not a config field (it would be silently ignored)"
         configs[n] = cfg = load_config([], config_path=cfg_path, environ=environ)
-        assert cfg.buffer.redis_url == "redis://:secret-redis-password@asyncrl-redis-0.asyncrl-redis:6379/0"
-        assert cfg.security.api_key == "secret-api-key"
+        user = REDIS_USER[n]
+        assert cfg.buffer.redis_url.get_secret_value() == \
+            f"redis://{user}:secret-redis-{user}-password@asyncrl-redis-0.asyncrl-redis:6379/0"
+        assert cfg.security.api_key.get_secret_value() == "secret-api-key"
     rollout = _by(objs, "StatefulSet", "asyncrl-rollout")
     replicas = rollout["spec"]["replicas"]
     svc = rollout["spec"]["serviceName"]
@@ -342,7 +351,8 @@ def test_run_config_loads_and_matches_the_manifests(overlay, tmp_path):
     redis = _by(objs, "StatefulSet", "asyncrl-redis")
     for kind, n in (("StatefulSet", "asyncrl-rollout"), ("Job", "asyncrl-trainer"), ("Job", "asyncrl-controller")):
         env = _env(_by(objs, kind, n)["spec"]["template"]["spec"]["containers"][0])
-        assert env["ASYNCRL_BUFFER__REDIS_URL"]["value"] == f"redis://:$(REDIS_PASSWORD)@asyncrl-redis-0.{redis['spec']['serviceName']}:6379/0"
+        assert env["ASYNCRL_BUFFER__REDIS_URL"]["value"] == \
+            f"redis://{REDIS_USER[n]}:$(REDIS_PASSWORD)@asyncrl-redis-0.{redis['spec']['serviceName']}:6379/0"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -366,12 +376,10 @@ def test_redis_is_durable_and_password_protected():
     objs = render(K8S / "overlays/cpu")
     redis = _by(objs, "StatefulSet", "asyncrl-redis")
     (c,) = redis["spec"]["template"]["spec"]["containers"]
-    cmd = c["command"]
-    assert cmd[0] == "redis-server"
-    assert cmd[cmd.index("--appendonly") + 1] == "yes" and cmd[cmd.index("--appendfsync") + 1] == "everysec"
-    assert cmd[cmd.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert c["command"] == ["sh", "-c", "exec sh /etc/asyncrl-redis/redis-start.sh"]  # tests/test_k8s_redis.py runs it
+    assert "PASSWORD" not in " ".join(c["command"] + c["readinessProbe"]["exec"]["command"]).replace('"$REDIS_PASSWORD"', "")
     assert _env(c)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "asyncrl-secrets"
-    assert any(m["mountPath"] == cmd[cmd.index("--dir") + 1] for m in c["volumeMounts"])
+    assert any(m["mountPath"] == "/data" for m in c["volumeMounts"])
 
 
 def test_monitoring_stack_ships_the_repository_files():
@@ -437,7 +445,7 @@ def test_reward_model_manifest(overlay, tmp_path):
     assert rm_cfg.reward.model.host == "0.0.0.0" and rm_cfg.reward.model.port == port
     assert rollout_cfg.reward.model.server_url == f"http://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
     assert svc["spec"]["ports"][0]["port"] == port
-    assert rollout_cfg.reward.model.api_key_required and rm_cfg.security.api_key == rollout_cfg.security.api_key == "secret-api-key"
+    assert rollout_cfg.reward.model.api_key_required and rm_cfg.security.api_key.get_secret_value() == rollout_cfg.security.api_key.get_secret_value() == "secret-api-key"
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert pod["terminationGracePeriodSeconds"] > rm_cfg.reward.model.drain_timeout_seconds

@@ -169,6 +169,12 @@ def _read_url(proc: subprocess.Popen, timeout: float = 30.0) -> str:
     raise AssertionError(f"asyncrl redis printed no URL (rc={proc.poll()}): {proc.stderr.read() if proc.poll() is not None else ''}")
 
 
+def _credentials(data_dir) -> dict[str, str]:
+    path = data_dir / "credentials.env"
+    assert path.stat().st_mode & 0o777 == 0o600
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
 def test_asyncrl_redis_command_prints_working_url_and_stops_on_sigterm(tmp_path):
     data_dir = tmp_path / "run" / "redis"
     proc = subprocess.Popen(
@@ -176,13 +182,17 @@ def test_asyncrl_redis_command_prints_working_url_and_stops_on_sigterm(tmp_path)
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        url = _read_url(proc)
+        shown = _read_url(proc)  # stdout: the URL without its password
+        assert shown.startswith("redis://127.0.0.1:"), shown
+        url = _credentials(data_dir)["ASYNCRL_BUFFER__REDIS_URL"]
         assert url.startswith("redis://:") and "@127.0.0.1:" in url
         client = redis.Redis.from_url(url)
         assert client.ping()
         client.set("survives", "restart")
         client.close()
         port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert url.split(":")[2].split("@")[0].encode() not in f.read()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         assert not _port_open("127.0.0.1", port)  # the redis-server child stopped too
@@ -192,15 +202,17 @@ def test_asyncrl_redis_command_prints_working_url_and_stops_on_sigterm(tmp_path)
             proc.wait()
     assert _has_aof(data_dir)
 
-    # restart on the same directory with a known password: the data is there
+    # restart on the same directory with a known password (from the environment): the data is there
     port = free_port()
     proc = subprocess.Popen(
-        [*_asyncrl_cmd(), "redis", "--dir", str(data_dir), "--port", str(port), "--password", "pw-test"],
+        [*_asyncrl_cmd(), "redis", "--dir", str(data_dir), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "ASYNCRL_SECURITY__REDIS_PASSWORD": "pw-test-0123456789"},
     )
     try:
-        url = _read_url(proc)
-        assert url == f"redis://:pw-test@127.0.0.1:{port}/0"
+        assert _read_url(proc) == f"redis://127.0.0.1:{port}/0"
+        url = _credentials(data_dir)["ASYNCRL_BUFFER__REDIS_URL"]
+        assert url == f"redis://:pw-test-0123456789@127.0.0.1:{port}/0"
         assert redis.Redis.from_url(url).get("survives") == b"restart"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0

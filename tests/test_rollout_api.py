@@ -428,6 +428,9 @@ async def test_metrics(srv):
         assert name in fams, name
     gen = [s for s in fams["sglang:generation_tokens"].samples if s.name.endswith("_total")][0]
     assert gen.value >= 3 and gen.labels["model_name"]
+    # no filesystem path in a label (the served name defaults to the model directory; docs/security.md)
+    labels = [v for f in fams.values() for smp in f.samples for v in smp.labels.values()]
+    assert labels and not any("/" in v for v in labels), [v for v in labels if "/" in v]
     assert "sglang:prompt_tokens_total" in raw.decode()
 
 

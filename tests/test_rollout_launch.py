@@ -55,13 +55,15 @@ def test_sglang_command_from_config():
     assert flags["--log-level"] == "warning" and flags["--dtype"] == "float32"
 
 
-def test_embedded_command_mirrors_sglang_flags():
+def test_embedded_command_mirrors_sglang_flags(monkeypatch):
     from rollout_server.server import parse_args
 
     cfg = load_config(overrides={"rollout": {"engine_threads": 2, "api_key_required": True},
                                  "security": {"api_key": "k"}})
     cmd = engine_command(cfg, "/m", 31000, weight_version=3)
     assert cmd[1:3] == ["-m", "rollout_server.server"]
+    assert "--api-key" not in cmd and "k" not in cmd  # never on the command line (`ps`)
+    monkeypatch.setenv("ASYNCRL_ENGINE_API_KEY", "k")  # launch_servers passes it in the environment
     opts = parse_args(cmd[3:])
     assert (opts.model_path, opts.port, opts.weight_version, opts.api_key, opts.engine_threads) == ("/m", 31000, "3", "k", 2)
     assert opts.incremental_streaming_output is True

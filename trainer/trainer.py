@@ -197,13 +197,14 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
             self.http_server = WeightFileServer(self.weights_dir, cfg.rollout.host, cfg.weight_sync.http_port).start()
         self.nccl_pusher = None
         if cfg.weight_sync.transport == "nccl" and self.rank == 0:
+            from asyncrl.secret_values import reveal
             from trainer.publisher import NcclWeightPusher
 
             urls = list(cfg.rollout.server_urls) or [
                 f"http://{cfg.rollout.host}:{cfg.rollout.base_port + i}" for i in range(cfg.rollout.num_servers)]
             self.nccl_pusher = NcclWeightPusher(urls, cfg.rollout.host if cfg.rollout.host != "0.0.0.0" else "127.0.0.1",
                                                 backend="nccl" if torch.cuda.is_available() else "gloo",
-                                                api_key=cfg.security.api_key)
+                                                api_key=reveal(cfg.security.api_key))
         self._plan: StepPlan | None = None
         self._pending_last = False
         self._aio: asyncio.AbstractEventLoop | None = None

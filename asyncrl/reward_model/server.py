@@ -101,7 +101,9 @@ class RewardModelOptions:
     def from_config(cls, cfg: Any, model_path: str) -> "RewardModelOptions":
         """From the whole config (``reward.model`` and, when required, ``security.api_key``)."""
         rm = cfg.reward.model
-        key = cfg.security.api_key if rm.api_key_required else None
+        from asyncrl.secret_values import reveal
+
+        key = reveal(cfg.security.api_key) if rm.api_key_required else None
         return cls(model_path=model_path, host=rm.host, port=rm.port, label_index=rm.label_index,
                    max_length=rm.max_length, max_batch_size=rm.max_batch_size, batch_wait_ms=rm.batch_wait_ms,
                    max_texts_per_request=rm.max_texts_per_request, max_chars=rm.max_chars, threads=rm.threads, device=rm.device,

@@ -16,11 +16,17 @@ local ST = {running = 0, complete = 1, partial = 2, pending = 3}
 local function ok(len, status) return len * 8 + ST[status] end
 local v = clock()
 local appended = 0
+local state = {writing = false}
+local function int_field(x) local n = tonumber(x); return n and n == math.floor(n) and n end
 local function one(sid, token, offset, cids, clps, cvers, finish)
+  if not int_field(offset) or offset < 0 then
+    return fail('BAD_REQUEST', 'offset must be an integer >= 0, got ' .. tostring(offset))
+  end
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'ids', 'lps', 'vers', 'bver', 'bused', 'minv', 'maxv', 'seg_start', 'segs')
   if not f[1] then return fail('UNKNOWN', 'sample ' .. sid .. ' does not exist (committed, dropped or drained)') end
   if finish == 'restart' and f[2] == token and (f[1] == 'running' or f[1] == 'complete') then
+    state.writing = true
     reset_sample(sid, 'nondeterministic')
     return ok(0, 'pending')
   end
@@ -28,7 +34,8 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     return fail('LEASE_LOST', 'claim ' .. token .. ' on sample ' .. sid .. ' is no longer valid (status ' .. f[1] .. '): the lease was reclaimed or revoked; drop this request')
   end
   if not f[3] or not f[4] or not f[5] or #f[3] % 4 ~= 0 or #f[3] ~= #f[4] or #f[3] ~= #f[5]
-      or not tonumber(f[6]) or not tonumber(f[7]) or not tonumber(f[8]) or not tonumber(f[10]) then
+      or not int_field(f[6]) or not int_field(f[7]) or not int_field(f[8]) or not int_field(f[9])
+      or not int_field(f[10]) or #(f[11] or '') % 12 ~= 0 then
     return fail('MALFORMED', 'sample ' .. sid .. ' has inconsistent packed arrays or counters')
   end
   if #cids % 4 ~= 0 or #clps ~= #cids or #cvers ~= #cids then
@@ -65,6 +72,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
       if tv < 0 or tv > v then return fail('BAD_REQUEST', 'observation token version ' .. tv .. ' outside [0, clock ' .. v .. ']') end
     end
     local len = cur + nnew
+    state.writing = true
     redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers, 'seg_start', len, 'updated', NOW)
     close_segment(sk, f[11], cur, len, FINISH_CODE.obs)
     redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
@@ -83,6 +91,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     if tv > maxv then maxv = tv end
   end
   -- validated: from here on every step writes
+  state.writing = true
   local len = cur + nnew
   if nnew > 0 then
     redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers,
@@ -135,7 +144,8 @@ end
 local out = {}
 for j = 0, tonumber(ARGV[12]) - 1 do
   local b = 13 + 7 * j
-  out[#out + 1] = one(ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
+  local res, e = isolated(state, one, ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
+  out[#out + 1] = res or e
 end
 if appended > 0 then stat('appended_tokens', appended) end
 return out

@@ -2,7 +2,9 @@
 -- unscored complete samples, resumable partials (oldest version first), fresh samples, and,
 -- only when nothing else is admissible, budget-parked samples under the same version.
 -- ARGV[12] = number of requests (a client coalesces concurrent claims), then per request:
--- worker id, max items. Returns one list of work rows per request.
+-- worker id, max items. Returns one list of work rows per request, or, for a request that hit an
+-- error before it leased anything, the string '!<CODE> <message>' (requests are independent: one
+-- request's failure never fails, or hides the leases of, another).
 local worker = ''
 local v = clock()
 local lin = lineage()
@@ -19,16 +21,21 @@ end
 -- 3. admission control
 admit()
 local out = {}
+local state = {writing = false}  -- set once a request has begun to lease (see isolated() in the prelude)
 local function take(sid, kind, from, idle)
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'gid', 'idx', 'ids', 'bver', 'bused', 'resumes', 'status')
   if not f[1] or not f[3] or not f[2] then
-    return err('MALFORMED', 'sample ' .. sid .. ' lacks gid/idx/ids')
+    return 'MALFORMED sample ' .. sid .. ' lacks gid/idx/ids'
   end
-  if #f[3] % 4 ~= 0 then return err('MALFORMED', 'sample ' .. sid .. ' has a token array of ' .. #f[3] .. ' bytes') end
+  if #f[3] % 4 ~= 0 then return 'MALFORMED sample ' .. sid .. ' has a token array of ' .. #f[3] .. ' bytes' end
+  if not tonumber(f[2]) or not tonumber(f[4]) or not tonumber(f[5]) or not tonumber(f[6]) then
+    return 'MALFORMED sample ' .. sid .. ' has non-numeric idx/bver/bused/resumes'
+  end
   local gk = gkey(f[1])
   local g = redis.call('HMGET', gk, 'prompt', 'meta')
-  if not g[1] then return err('MALFORMED', 'group ' .. f[1] .. ' of sample ' .. sid .. ' is missing') end
+  if not g[1] then return 'MALFORMED group ' .. f[1] .. ' of sample ' .. sid .. ' is missing' end
+  state.writing = true
   redis.call('ZREM', k(from), sid)
   local len = #f[3] / 4
   local bver = tonumber(f[4])
@@ -65,10 +72,7 @@ local function stale_ok(sid)
 end
 local replies = {}
 local total = 0
-for r = 0, tonumber(ARGV[12]) - 1 do
-worker = ARGV[13 + 2 * r]
-local maxn = tonumber(ARGV[14 + 2 * r])
-out = {}
+local function serve(maxn)
 local guard = 0
 while #out < maxn and guard < 10000 do
   guard = guard + 1
@@ -101,8 +105,22 @@ while #out < maxn and guard < 10000 do
   end
   if e then return e end
 end
-replies[#replies + 1] = out
-total = total + #out
+return nil
+end
+for r = 0, tonumber(ARGV[12]) - 1 do
+  worker = ARGV[13 + 2 * r]
+  local maxn = tonumber(ARGV[14 + 2 * r])
+  out = {}
+  local e, crash
+  if not maxn or maxn < 1 or maxn ~= math.floor(maxn) or not worker or worker == '' then
+    e = 'BAD_REQUEST a claim needs a worker id and max_items >= 1'
+  else
+    e, crash = isolated(state, serve, maxn)
+    e = e or crash
+  end
+  -- leases already taken are real: the request gets them; an error is reported only when it got none
+  if e and #out == 0 then replies[#replies + 1] = '!' .. e else replies[#replies + 1] = out end
+  total = total + #out
 end
 if total > 0 then stat('claims', total) end
 return replies

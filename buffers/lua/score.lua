@@ -73,7 +73,14 @@ local function finish_group(gid, gk, n, ns, seq)
   stat('ready_groups')
   return 'ready'
 end
+local state = {writing = false}
 local function one(sid, token, kind, value, advk, adv, info)
+  if kind ~= 'reward' and kind ~= 'error' then return fail('BAD_REQUEST', 'kind must be reward or error') end
+  if kind == 'reward' and not tonumber(value) then return fail('BAD_REQUEST', 'reward must be a number') end
+  if advk ~= '' and advk ~= 'scalar' and advk ~= 'tokens' then
+    return fail('BAD_REQUEST', 'advantages kind must be empty, scalar or tokens')
+  end
+  if advk == 'scalar' and not tonumber(adv) then return fail('BAD_REQUEST', 'a scalar advantage must be a number') end
   local sk = skey(sid)
   local f = redis.call('HMGET', sk, 'status', 'claim', 'gid', 'ids')
   if not f[1] then return fail('UNKNOWN', 'sample ' .. sid .. ' does not exist (committed, dropped or drained)') end
@@ -93,6 +100,7 @@ local function one(sid, token, kind, value, advk, adv, info)
     return fail('MALFORMED', 'group ' .. tostring(f[3]) .. ' of sample ' .. sid .. ' is missing or damaged')
   end
   local ns, nf = tonumber(g[2]), tonumber(g[3])
+  state.writing = true
   if kind == 'reward' then
     redis.call('HSET', sk, 'status', 'scored', 'reward', value, 'claim', '', 'updated', NOW)
     ns = ns + 1
@@ -115,9 +123,9 @@ local function one(sid, token, kind, value, advk, adv, info)
   local n = tonumber(g[1])
   if ns + nf == n then
     if ns >= math.min(2, n) then
-      local state = finish_group(f[3], gk, n, ns, tonumber(g[4]))
+      local gstate = finish_group(f[3], gk, n, ns, tonumber(g[4]))
       admit()  -- a READY (or dropped) group no longer holds a rollout slot: admit the next one now
-      return state
+      return gstate
     end
     drop_group(f[3], 'reward_error')
     admit()
@@ -128,6 +136,7 @@ end
 local out = {}
 for j = 0, tonumber(ARGV[12]) - 1 do
   local b = 13 + 7 * j
-  out[#out + 1] = one(ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
+  local res, e = isolated(state, one, ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6])
+  out[#out + 1] = res or ('!' .. e)
 end
 return out

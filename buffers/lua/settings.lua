@@ -102,6 +102,7 @@ end
 local function drop_group(gid, reason)
   local gk = gkey(gid)
   local n = tonumber(redis.call('HGET', gk, 'n') or '0')
+  local was_ready = redis.call('HGET', gk, 'state') == 'ready'  -- only READY groups wait in `replay`
   for i = 0, n - 1 do
     local sid = gid .. '/' .. i
     unqueue(sid)
@@ -111,7 +112,7 @@ local function drop_group(gid, reason)
   redis.call('ZREM', k('inflight'), gid)
   redis.call('ZREM', k('ready'), gid)
   redis.call('ZREM', k('groups'), gid)
-  redis.call('LREM', k('replay'), 0, gid)
+  if was_ready then redis.call('LREM', k('replay'), 0, gid) end
   redis.call('HSET', k('dropped'), gid, reason)
   redis.call('DECR', k('admitted'))
   stat('dropped_groups:' .. reason)
