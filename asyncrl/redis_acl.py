@@ -65,10 +65,12 @@ _ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
 
 #: Keys (after the run prefix) the rollout user may write, and those it may only read.
 _ROLLOUT_WRITE = ("sample:*", "group:*", "fresh", "resumable", "parked", "unscored", "leases", "inflight",
-                  "groups", "ready", "pending", "admitted", "seq", "pseq", "claimseq", "stats", "dropped")
+                  "groups", "ready", "pending", "admitted", "seq", "pseq", "claimseq", "stats", "dropped",
+                  "pass_rates")  # score.lua records a finished group's mean reward (the pass-rate filter)
 _ROLLOUT_READ = ("schema", "settings", "version", "lineage", "weights:latest", "replay")
 #: Keys the feeder may write (feeding admits groups, as claiming does), and those it may only read.
-_FEEDER_WRITE = (*_ROLLOUT_WRITE, "schema", "settings", "cursor")
+_FEEDER_WRITE = (*_ROLLOUT_WRITE, "schema", "settings", "cursor", "filter_epoch", "filtered_prompts",
+                 "prompt_pass_rate")  # the pass-rate dataset filter (asyncrl/prompt_filter.py)
 _FEEDER_READ = ("version", "lineage", "weights:latest", "replay")
 
 
