@@ -261,6 +261,24 @@ class RolloutConfig(_Section):
     """Embedded engine: most sequences decoded together in one step."""
     engine_threads: int | None = Field(None, ge=1)
     """torch threads of each embedded engine (None: the controller's core assignment or torch's default)."""
+    engine_max_request_bytes: int | None = Field(None, ge=1024, le=2**40)
+    """Embedded engine: most bytes of a ``/generate`` or control body (413 beyond); None: 1 MiB + 12 bytes x context length x ``engine_max_prompts_per_request``."""
+    engine_max_weights_request_bytes: int | None = Field(None, ge=1024, le=2**40)
+    """Embedded engine: most bytes of a weight-update body (413 beyond); None: 1 MiB + 11 bytes per model parameter (a base64 float64 payload)."""
+    engine_max_prompts_per_request: int = Field(128, ge=1, le=65536)
+    """Embedded engine: most prompts in one ``/generate`` batch (400 beyond)."""
+    engine_max_queued_requests: int = Field(2048, ge=0, le=1_000_000)
+    """Embedded engine: most samples waiting beyond the ones being decoded; more get a 503 with ``Retry-After`` (SGLang's ``--max-queued-requests``)."""
+    engine_max_top_logprobs_num: int = Field(20, ge=0, le=1_000_000)
+    """Embedded engine: largest ``top_logprobs_num`` a request may ask (400 beyond; OpenAI caps ``top_logprobs`` at 20)."""
+    engine_cumulative_stream_entries: int = Field(4096, ge=64, le=1_000_000)
+    """Embedded engine: a cumulative stream's next chunk waits for ``ceil(sent x (1 + top_logprobs_num) / this)`` new tokens, so a stream's total output is linear in its length."""
+    engine_header_timeout_seconds: float = Field(20.0, ge=0.1, le=3600.0)
+    """Embedded engine: a connection must deliver a complete request head within this (also the idle keep-alive timeout)."""
+    engine_body_timeout_seconds: float = Field(60.0, ge=0.1, le=3600.0)
+    """Embedded engine: a request body must arrive completely within this (408 otherwise)."""
+    engine_weight_group_timeout_seconds: float = Field(60.0, ge=0.1, le=3600.0)
+    """Embedded engine: bound of joining a weight-update group (``/init_weights_update_group``) and of each broadcast received through it."""
     api_key_required: bool = False
     """Require ``security.api_key`` as a bearer token on state-changing endpoints of launched servers."""
     sglang_args: list[str] = []

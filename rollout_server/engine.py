@@ -226,6 +226,10 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         """Abort requests whose rid starts with ``rid`` (SGLang's prefix match), or all of them."""
         self._inbox.put(("abort", rid, abort_all))
 
+    def abort_samples(self, samples: Iterable[EngineSample]) -> None:
+        """Abort exactly these samples (no rid prefix match: a client that left stops only its own)."""
+        self._inbox.put(("abort_samples", frozenset(id(s) for s in samples)))
+
     def call(self, name: str, *args: Any) -> Future:
         """Run a control command in the engine thread between steps; returns its Future.
 
@@ -329,6 +333,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
                     self.stats["num_requests_total"] += len(g.samples)
             elif kind == "abort":
                 self._publish(self._abort(msg[1], msg[2]))
+            elif kind == "abort_samples":
+                self._publish(self._abort("", False, exact=msg[1]))
             elif kind == "call":
                 _, name, args, fut = msg
                 if not fut.set_running_or_notify_cancel():
@@ -387,10 +393,14 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
 
     # -- abort / retract ----------------------------------------------------------------------
 
-    def _abort(self, rid: str, abort_all: bool) -> list[EngineSample]:
-        if not rid and not abort_all:
+    def _abort(self, rid: str, abort_all: bool, exact: frozenset[int] = frozenset()) -> list[EngineSample]:
+        """Abort by rid prefix, all, or (``exact``) the samples with these ``id()``s."""
+        if exact:
+            hit = lambda s: id(s) in exact  # noqa: E731
+        elif not rid and not abort_all:
             return []  # SGLang ignores an empty rid without abort_all
-        hit = lambda s: abort_all or s.rid.startswith(rid)  # noqa: E731
+        else:
+            hit = lambda s: abort_all or s.rid.startswith(rid)  # noqa: E731
         updated: list[EngineSample] = []
         kept: collections.deque[_Item] = collections.deque()
         for item in self._waiting:

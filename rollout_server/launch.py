@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.net import free_port
 from rollout_server.client import EngineClient, EngineUnavailable
+from rollout_server.limits import limit_flags
 
 if TYPE_CHECKING:  # pragma: no cover
     from asyncrl.config import AsyncRLConfig
@@ -54,6 +55,7 @@ def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
     cmd = [python or sys.executable, "-m", "rollout_server.server", "--model-path", str(model_path),
            "--host", r.host, "--port", str(int(port)), "--weight-version", str(weight_version),
            "--max-running-requests", str(r.engine_max_batch_size), "--random-seed", str(cfg.run.seed)]
+    cmd += limit_flags(r)  # rollout.engine_* limits (docs/rollout.md#limits)
     if r.incremental_streaming:
         cmd.append("--incremental-streaming-output")
     if r.engine_threads:

@@ -16,23 +16,28 @@ import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from rollout_server.engine import Engine, EngineGroup, EngineSample
+from rollout_server.limits import BodyError, BodyReader
 from rollout_server.sampling import RequestError, SamplingParams
-from rollout_server.schemas import GenerateBody, SamplingParamsBody, parse_body, validate_body
+from rollout_server.schemas import GenerateBody, SamplingParamsBody, parse_body, parse_json, validate_body
 
 __all__ = [
     "GENERATE_KEYS",
+    "GenerateLimits",
     "IncrementalDetokenizer",
     "decode_output",
     "dumps",
     "encode_text",
+    "max_token_bytes",
     "error_response",
     "parse_generate",
     "read_body",
+    "refused",
     "response_object",
     "version_spans",
     "weight_version_of",
@@ -45,6 +50,17 @@ GENERATE_KEYS = frozenset(GenerateBody.model_fields)
 def error_response(message: str, status: int = 400) -> web.Response:
     """SGLang's error shape: ``{"error": {"message": ...}}``."""
     return web.json_response({"error": {"message": message}}, status=status)
+
+
+def refused(exc: RequestError) -> web.Response:
+    """The error response of a refused request: 400, or the status a :class:`BodyError` carries (413, 408).
+
+    A refused body may be partly unread: the connection is closed after the answer.
+    """
+    resp = error_response(str(exc), getattr(exc, "status", 400))
+    if isinstance(exc, BodyError):
+        resp.force_close()
+    return resp
 
 
 def dumps(obj: Any) -> str:
@@ -66,28 +82,72 @@ def _finite_or_none(obj: Any) -> Any:
     return obj
 
 
-async def read_body(request: web.Request, schema: type, *, allow_empty: bool = True, context: dict | None = None,
-                    what: str = "") -> Any:
+async def read_body(request: web.Request, schema: type, reader: BodyReader, *, allow_empty: bool = True,
+                    context: dict | None = None, what: str = "") -> Any:
     """The body of ``request`` validated by ``schema`` (a :mod:`rollout_server.schemas` model).
 
+    ``reader`` bounds the body's size and arrival time and parses a big body off the event loop.
+
     Raises:
+        BodyError: the body is too large (413) or too slow (408).
         RequestError: not JSON, not an object, or not valid for ``schema`` (the message names the field).
     """
-    return parse_body(schema, await request.read(), allow_empty=allow_empty, context=context, what=what)
+    raw = await reader.read(request)
+    return await reader.run(len(raw), parse_body, schema, raw, allow_empty=allow_empty, context=context, what=what)
 
 
-def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[EngineGroup], list[EngineSample], bool, bool]:
-    """Validate a /generate body (parsed JSON) into prompt groups; returns (groups, samples, is_batch, stream).
+@dataclass(frozen=True)
+class GenerateLimits:
+    """What :func:`parse_generate` bounds besides the schema (docs/rollout.md#limits).
+
+    Attributes:
+        max_prompts: most prompts in one batch.
+        max_top_logprobs_num: largest ``top_logprobs_num``.
+        max_text_bytes: most UTF-8 bytes of one ``text`` prompt: the context length times the
+            longest token's bytes (a longer text cannot fit the context, so it is refused
+            before it is tokenized); None: no text bound.
+    """
+
+    max_prompts: int = 128
+    max_top_logprobs_num: int = 20
+    max_text_bytes: int | None = None
+
+
+def _validate_generate(raw: bytes, vocab_size: int, max_top: int) -> GenerateBody:
+    return validate_body(GenerateBody, parse_json(raw), what="/generate request",
+                         context={"vocab_size": vocab_size, "max_top_logprobs_num": max_top})
+
+
+async def parse_generate(raw: bytes, eng: Engine, tokenizer: Any, reader: BodyReader,
+                         limits: GenerateLimits = GenerateLimits()) -> tuple[list[EngineGroup], list[EngineSample], bool, bool]:
+    """Validate a raw /generate body into prompt groups; returns (groups, samples, is_batch, stream).
 
     The body's shape is :class:`rollout_server.schemas.GenerateBody`; what needs the engine
-    (context length, ``n`` against ``max_running_requests``, rids still running) is checked here.
+    (context length, ``n`` against ``max_running_requests``, rids still running) and ``limits``
+    are checked here. Sizes are checked before work: a big body is parsed, and every ``text``
+    tokenized, on ``reader``'s executor, never on the event loop.
 
     Raises:
         RequestError: any problem (the message names the field and says what to fix).
     """
-    req = validate_body(GenerateBody, body, context={"vocab_size": eng.vocab_size}, what="/generate request")
+    req = await reader.run(len(raw), _validate_generate, raw, eng.vocab_size, limits.max_top_logprobs_num)
     texts, ids, is_batch = req.prompts()
-    prompts = [encode_text(tokenizer, t) for t in texts] if texts is not None else ids
+    nb = len(texts if texts is not None else ids)
+    if nb > limits.max_prompts:
+        raise RequestError(f"the batch has {nb} prompts; at most {limits.max_prompts} per request (the server's "
+                           "--max-prompts-per-request, rollout.engine_max_prompts_per_request): split it")
+    if texts is not None:
+        if tokenizer is None:
+            raise RequestError("text input needs a tokenizer; send input_ids")
+        for i, t in enumerate(texts):
+            size = len(t.encode("utf-8", "surrogatepass"))
+            if limits.max_text_bytes is not None and size > limits.max_text_bytes:
+                raise RequestError(
+                    f"text{f'[{i}]' if is_batch else ''} has {size} bytes: more than the model's context of "
+                    f"{eng.context_len} tokens can hold (at most {limits.max_text_bytes} bytes); shorten it")
+        prompts = await reader.off_loop(lambda: [encode_text(tokenizer, t) for t in texts])
+    else:
+        prompts = ids
     nb = len(prompts)
     sp = req.sampling_params
     if isinstance(sp, list):
@@ -143,6 +203,17 @@ def parse_generate(body: Any, eng: Engine, tokenizer: Any) -> tuple[list[EngineG
         samples += group
     return groups, samples, is_batch or total > 1, stream
 
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes one token of ``tokenizer`` stands for (its longest vocabulary entry).
+
+    Byte-level BPE spells each byte as one character of at most 2 UTF-8 bytes, SentencePiece spells
+    text as itself (with ``\u2581`` for a space), so a vocabulary entry's own UTF-8 length is never
+    below the bytes it decodes to.
+    """
+    return max((len(k.encode("utf-8", "surrogatepass")) for k in tokenizer.get_vocab()), default=1) or 1
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` (no special tokens added beyond the tokenizer's defaults).
 
@@ -151,7 +222,10 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     """
     if tokenizer is None:
         raise RequestError("text input needs a tokenizer; send input_ids")
-    ids = tokenizer(text)["input_ids"]
+    try:
+        ids = tokenizer(text)["input_ids"]
+    except Exception as exc:  # e.g. a lone surrogate ("\\ud800") the tokenizer cannot encode
+        raise RequestError(f"text could not be tokenized: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not ids:
         raise RequestError("text encodes to no tokens")
     return list(ids)

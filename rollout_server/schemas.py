@@ -321,6 +321,10 @@ class GenerateBody(_Strict):
         vocab = _vocab(info)
         if vocab is not None and v > vocab:
             raise _error(f"must be an integer in [0, {vocab}], got {v}")
+        cap = (info.context or {}).get("max_top_logprobs_num")
+        if cap is not None and v > cap:
+            raise _error(f"must be at most {cap} (the server's --max-top-logprobs-num, "
+                         f"rollout.engine_max_top_logprobs_num), got {v}")
         return v
 
     @model_validator(mode="after")
@@ -430,6 +434,17 @@ class InitGroupBody(_Strict):
     world_size: Annotated[int, Field(ge=1, le=65536)]
     group_name: Id = "weight_update_group"
     backend: Annotated[str, Field(max_length=64)] = "nccl"
+
+    @model_validator(mode="after")
+    def _ranks(self) -> "InitGroupBody":
+        """The trainer is rank 0 and this engine ``rank_offset`` (tensor parallel size 1): both inside the world."""
+        if self.world_size < 2:
+            raise _error(f"world_size must be at least 2 (the trainer is rank 0 and this engine one more rank), "
+                         f"got {self.world_size}")
+        if not 1 <= self.rank_offset < self.world_size:
+            raise _error(f"rank_offset must be in [1, world_size - 1] = [1, {self.world_size - 1}] (rank 0 is the "
+                         f"trainer), got {self.rank_offset}")
+        return self
 
 
 class DestroyGroupBody(_Strict):

@@ -47,20 +47,26 @@ from aiohttp import web
 
 from asyncrl.aio import wait_event
 from rollout_server.engine import Engine, EngineGroup, EngineSample
+from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
 from rollout_server.requests import (
+    GenerateLimits,
     IncrementalDetokenizer,
     decode_output,
     dumps,
     error_response,
+    max_token_bytes,
     parse_generate,
     read_body,
+    refused,
     response_object,
 )
 from rollout_server.sampling import RequestError, SamplingParams
-from rollout_server.schemas import AbortBody, ContinueBody, PauseBody, parse_json
+from rollout_server.schemas import AbortBody, ContinueBody, PauseBody
+from rollout_server.server_metrics import EngineCollector, metric_model_name
+from rollout_server.server_options import ServerOptions, parse_args as _parse_args
 from rollout_server.weight_endpoints import WeightEndpoints, destroy_group
 
-__all__ = ["ServerOptions", "RolloutHTTPServer", "build_app", "main", "VERSION"]
+__all__ = ["ServerOptions", "RolloutHTTPServer", "build_app", "main", "parse_args", "VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -69,45 +75,8 @@ VERSION = "asyncrl-embedded-0.1.0"
 
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 _HEALTH_TIMEOUT_SECONDS = 20.0
-
-
-def metric_model_name(name: str | None) -> str:
-    """The ``model_name`` label of /metrics: the served name's last path component, so that a
-    model path (the default served name) never puts a filesystem path in a label (docs/security.md)."""
-    text = str(name or "")
-    return text.rstrip("/").rsplit("/", 1)[-1] or text
-
-class ServerOptions:
-    """Options of one embedded server (the CLI flags mirror SGLang's names)."""
-
-    def __init__(
-        self,
-        model_path: str,
-        host: str = "127.0.0.1",
-        port: int = 30000,
-        api_key: str | None = None,
-        incremental_streaming_output: bool = False,
-        weight_version: str = "default",
-        max_running_requests: int = 64,
-        context_length: int | None = None,
-        engine_threads: int | None = None,
-        random_seed: int = 0,
-        served_model_name: str | None = None,
-        stream_interval: int = 1,
-        skip_tokenizer_init: bool = False,
-    ):
-        self.model_path = str(model_path)
-        self.host, self.port = host, int(port)
-        self.api_key = api_key or None
-        self.incremental_streaming_output = bool(incremental_streaming_output)
-        self.weight_version = str(weight_version)
-        self.max_running_requests = int(max_running_requests)
-        self.context_length = context_length
-        self.engine_threads = engine_threads
-        self.random_seed = int(random_seed)
-        self.served_model_name = served_model_name or self.model_path
-        self.stream_interval = int(stream_interval)
-        self.skip_tokenizer_init = bool(skip_tokenizer_init)
+#: how often a request with no progress (queued, paused) checks whether its client is still there
+_DISCONNECT_POLL_SECONDS = 0.25
 
 
 class RolloutHTTPServer(WeightEndpoints):
@@ -123,6 +92,14 @@ class RolloutHTTPServer(WeightEndpoints):
         self._paused_mode: str | None = None
         self._weights_lock: asyncio.Lock | None = None
         self._dist_groups: dict[str, Any] = {}
+        self._joining: set[str] = set()
+        self.limits = opts.limits
+        #: samples of /generate requests admitted and not yet answered (running, queued or waiting on a pause)
+        self.num_admitted = 0
+        self._parse_pool: Any = None
+        self.body_reader: BodyReader | None = None
+        self.weights_body_reader: BodyReader | None = None
+        self.generate_limits = GenerateLimits()
         self.registry = registry
         self.rollout_metrics = None
         self.ready = False
@@ -152,7 +129,22 @@ class RolloutHTTPServer(WeightEndpoints):
             threads=self.opts.engine_threads,
             on_update=self._on_engine_update,
         )
+        self._setup_limits()
         self._setup_metrics()
+
+    def _setup_limits(self) -> None:
+        """Body readers and /generate limits from :class:`~rollout_server.limits.ServerLimits` and the model."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        lim, eng = self.limits, self.engine
+        # one thread: big bodies are parsed and texts tokenized there, off the event loop, one at a time
+        self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-parse")
+        self.body_reader = BodyReader(lim.request_bytes(eng.context_len), lim.body_timeout_seconds, executor=self._parse_pool)
+        num_params = sum(p.numel() for p in self._model.parameters())
+        self.weights_body_reader = BodyReader(lim.weights_request_bytes(num_params), lim.body_timeout_seconds,
+                                              flag="max-weights-request-bytes", executor=self._parse_pool)
+        text_bytes = eng.context_len * max_token_bytes(self._tokenizer) if self._tokenizer is not None else None
+        self.generate_limits = GenerateLimits(lim.max_prompts_per_request, lim.max_top_logprobs_num, text_bytes)
 
     async def on_startup(self, app: web.Application) -> None:
         self.loop = asyncio.get_running_loop()
@@ -169,6 +161,8 @@ class RolloutHTTPServer(WeightEndpoints):
         for pg in self._dist_groups.values():
             destroy_group(pg)
         self._dist_groups.clear()
+        if self._parse_pool is not None:
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
     def _on_engine_update(self, samples: list[EngineSample]) -> None:
         """Engine thread -> event loop: wake the handlers waiting on these samples."""
@@ -204,7 +198,7 @@ class RolloutHTTPServer(WeightEndpoints):
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
         self._ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token.", labels, buckets=buckets, registry=self.registry)
         self._e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency.", labels, buckets=buckets, registry=self.registry)
-        self.registry.register(_EngineCollector(self))
+        self.registry.register(EngineCollector(self))
 
     def _observe_finished(self, s: EngineSample) -> None:
         name = metric_model_name(self.opts.served_model_name)
@@ -229,13 +223,43 @@ class RolloutHTTPServer(WeightEndpoints):
     # -- /generate ---------------------------------------------------------------------------------
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
-        """``POST /generate`` (:class:`~rollout_server.schemas.GenerateBody`): one response, a list, or an SSE stream."""
+        """``POST /generate`` (:class:`~rollout_server.schemas.GenerateBody`): one response, a list, or an SSE stream.
+
+        Bounded before any work (docs/rollout.md#limits): the body's size and arrival time, the
+        prompts per request, ``text`` length (tokenized off the event loop), ``top_logprobs_num``;
+        a request that would overfill the queue gets a 503 with ``Retry-After``. A client that
+        leaves (any form of disconnect) has its samples aborted within one decode step.
+        """
         try:
-            body = parse_json(await request.read())
-            groups, samples, is_batch, stream = parse_generate(body, self.engine, self._tokenizer)
+            raw = await self.body_reader.read(request)
+            groups, samples, is_batch, stream = await parse_generate(raw, self.engine, self._tokenizer,
+                                                                     self.body_reader, self.generate_limits)
         except RequestError as exc:
-            return error_response(str(exc))
-        await self._unpaused.wait()  # new requests wait while the engine is paused
+            return refused(exc)
+        capacity = self.engine.max_batch_size + self.limits.max_queued_requests
+        if len(samples) > capacity:
+            return error_response(f"the request has {len(samples)} samples (prompts x n); this server holds at most "
+                                  f"{capacity} (max_running_requests + --max-queued-requests): split it")
+        if self.num_admitted + len(samples) > capacity:
+            resp = error_response(
+                f"The request queue is full: {self.num_admitted} samples running or waiting, at most {capacity} "
+                f"(max_running_requests {self.engine.max_batch_size} + --max-queued-requests "
+                f"{self.limits.max_queued_requests}); retry after {RETRY_AFTER_SECONDS} s", 503)
+            resp.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            return resp
+        self.num_admitted += len(samples)
+        try:
+            return await self._generate(request, groups, samples, is_batch, stream)
+        finally:
+            self.num_admitted -= len(samples)
+            self._abort_samples(samples)  # the client left, or the handler failed: stop the work at once
+
+    async def _generate(self, request: web.Request, groups: list[EngineGroup], samples: list[EngineSample],
+                        is_batch: bool, stream: bool) -> web.StreamResponse:
+        while not self._unpaused.is_set():  # new requests wait while the engine is paused
+            if _client_gone(request):
+                raise asyncio.CancelledError()
+            await wait_event(self._unpaused, _DISCONNECT_POLL_SECONDS)
         waiter = asyncio.Event()
         for s in samples:
             s.waiter = waiter
@@ -243,17 +267,11 @@ class RolloutHTTPServer(WeightEndpoints):
         self.engine.submit(groups)
         if stream:
             return await self._stream(request, samples, waiter)
-        try:
-            while not all(s.published[1] is not None for s in samples):
-                if not await wait_event(waiter, 1.0):  # not wait_for: see asyncrl.aio
-                    if request.transport is None or request.transport.is_closing():
-                        self._abort_samples(samples)  # client went away: abort (SGLang does too)
-                        raise asyncio.CancelledError()
-                    continue
+        while not all(s.published[1] is not None for s in samples):
+            if _client_gone(request):  # checked at every wake-up: every decode step that advanced these samples
+                raise asyncio.CancelledError()  # the finally of handle_generate aborts them
+            if await wait_event(waiter, _DISCONNECT_POLL_SECONDS):  # not wait_for: see asyncrl.aio
                 waiter.clear()
-        except asyncio.CancelledError:
-            self._abort_samples(samples)
-            raise
         outs = [
             response_object(
                 s, s.published, 0, final=True, incremental=False, with_text=self._tokenizer is not None,
@@ -269,54 +287,62 @@ class RolloutHTTPServer(WeightEndpoints):
         return web.json_response(outs if is_batch else outs[0], dumps=dumps)
 
     def _abort_samples(self, samples: list[EngineSample]) -> None:
-        for s in samples:
-            if s.published[1] is None:
-                self.engine.abort(s.rid)
+        """Abort the samples not yet finished (by identity: never another request sharing a rid prefix)."""
+        left = [s for s in samples if s.published[1] is None]
+        if left:
+            self.engine.abort_samples(left)
 
     async def _stream(self, request: web.Request, samples: list[EngineSample], waiter: asyncio.Event) -> web.StreamResponse:
+        """SSE chunks until every sample finished; the caller aborts what is left on any exit (a
+        disconnect surfaces as ``ConnectionResetError``, ``ConnectionError``, a cancellation or a
+        closing transport). Cumulative chunks are spaced so that a stream's total output stays
+        linear in its length (``--cumulative-stream-entries``)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         incremental = self.opts.incremental_streaming_output
+        budget = self.limits.cumulative_stream_entries
         sent = {id(s): 0 for s in samples}
         text_sent = {id(s): "" for s in samples}
         detok = {id(s): IncrementalDetokenizer(self._tokenizer, s.params) for s in samples} if self._tokenizer else {}
         done: set[int] = set()
         multi = len(samples) > 1
-        try:
-            while len(done) < len(samples):
-                await waiter.wait()
-                waiter.clear()
-                chunks = []
-                for s in samples:
-                    if id(s) in done:
-                        continue
-                    n, fin = s.published
-                    interval = s.params.stream_interval or self.opts.stream_interval
-                    if fin is None and (n == 0 or n - sent[id(s)] < interval):
-                        continue
-                    start = sent[id(s)] if incremental else 0
-                    text_now = ""
-                    if self._tokenizer is not None:
-                        ids = s.output_ids[:n]
-                        text_now = decode_output(self._tokenizer, s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
-                    out = response_object(s, (n, fin), start, final=fin is not None, incremental=incremental,
-                                          with_text=self._tokenizer is not None, current_version=self.engine.weight_version,
-                                          text_prev=text_sent[id(s)], text_now=text_now)
-                    text_sent[id(s)] = text_now
-                    if multi:
-                        out["index"] = s.index
-                    sent[id(s)] = n
-                    if fin is not None:
-                        done.add(id(s))
-                        if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
-                            out = {"error": {"message": fin.get("message", "engine error")}}
-                    chunks.append(b"data: " + dumps(out).encode() + b"\n\n")
-                if chunks:
-                    await resp.write(b"".join(chunks))
-            await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            self._abort_samples(samples)
-            raise
+        while len(done) < len(samples):
+            if _client_gone(request):
+                raise asyncio.CancelledError()
+            if not await wait_event(waiter, _DISCONNECT_POLL_SECONDS):
+                continue
+            waiter.clear()
+            chunks = []
+            for s in samples:
+                if id(s) in done:
+                    continue
+                n, fin = s.published
+                gap = s.params.stream_interval or self.opts.stream_interval
+                if not incremental:  # a cumulative chunk resends everything: space them by what they carry
+                    per_token = 1 + (s.top_logprobs_num if s.return_logprob else 0)
+                    gap = max(gap, -(-sent[id(s)] * per_token // budget))
+                if fin is None and (n == 0 or n - sent[id(s)] < gap):
+                    continue
+                start = sent[id(s)] if incremental else 0
+                text_now = ""
+                if self._tokenizer is not None:
+                    ids = s.output_ids[:n]
+                    text_now = decode_output(self._tokenizer, s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
+                out = response_object(s, (n, fin), start, final=fin is not None, incremental=incremental,
+                                      with_text=self._tokenizer is not None, current_version=self.engine.weight_version,
+                                      text_prev=text_sent[id(s)], text_now=text_now)
+                text_sent[id(s)] = text_now
+                if multi:
+                    out["index"] = s.index
+                sent[id(s)] = n
+                if fin is not None:
+                    done.add(id(s))
+                    if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
+                        out = {"error": {"message": fin.get("message", "engine error")}}
+                chunks.append(b"data: " + dumps(out).encode() + b"\n\n")
+            if chunks:
+                await resp.write(b"".join(chunks))
+        await resp.write(b"data: [DONE]\n\n")
         return resp
 
     # -- abort / pause ------------------------------------------------------------------------------
@@ -324,18 +350,18 @@ class RolloutHTTPServer(WeightEndpoints):
     async def handle_abort(self, request: web.Request) -> web.Response:
         """``POST /abort_request`` (:class:`~rollout_server.schemas.AbortBody`)."""
         try:
-            body = await read_body(request, AbortBody, what="/abort_request")
+            body = await read_body(request, AbortBody, self.body_reader, what="/abort_request")
         except RequestError as exc:
-            return error_response(str(exc))
+            return refused(exc)
         self.engine.abort(body.rid, body.abort_all)
         return web.Response(status=200)
 
     async def handle_pause(self, request: web.Request) -> web.Response:
         """``POST /pause_generation`` (:class:`~rollout_server.schemas.PauseBody`)."""
         try:
-            mode = (await read_body(request, PauseBody, what="/pause_generation")).mode
+            mode = (await read_body(request, PauseBody, self.body_reader, what="/pause_generation")).mode
         except RequestError as exc:
-            return error_response(str(exc))
+            return refused(exc)
         self._unpaused.clear()
         self._paused_mode = mode
         await asyncio.wrap_future(self.engine.call("pause", mode))
@@ -344,9 +370,9 @@ class RolloutHTTPServer(WeightEndpoints):
     async def handle_continue(self, request: web.Request) -> web.Response:
         """``POST /continue_generation`` (:class:`~rollout_server.schemas.ContinueBody`)."""
         try:
-            await read_body(request, ContinueBody, what="/continue_generation")
+            await read_body(request, ContinueBody, self.body_reader, what="/continue_generation")
         except RequestError as exc:
-            return error_response(str(exc))
+            return refused(exc)
         await asyncio.wrap_future(self.engine.call("resume"))
         self._paused_mode = None
         self._unpaused.set()
@@ -447,7 +473,9 @@ class RolloutHTTPServer(WeightEndpoints):
 
     def app(self) -> web.Application:
         """The aiohttp application (engine started on startup, stopped on cleanup)."""
-        app = web.Application(middlewares=[self.auth_middleware], client_max_size=1 << 31)
+        # bodies are read by BodyReader within their own limits; this only bounds aiohttp's own readers
+        limit = max(r.limit for r in (self.body_reader, self.weights_body_reader) if r is not None) if self.body_reader else 1 << 20
+        app = web.Application(middlewares=[self.auth_middleware], client_max_size=limit)
         r = app.router
         r.add_route("POST", "/generate", self.handle_generate)
         r.add_route("PUT", "/generate", self.handle_generate)
@@ -473,47 +501,6 @@ class RolloutHTTPServer(WeightEndpoints):
         return app
 
 
-class _EngineCollector:
-    """Exports SGLang's ``sglang:`` engine gauges and counters from the engine's statistics."""
-
-    def __init__(self, server: RolloutHTTPServer):
-        self.server = server
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        eng = self.server.engine
-        name = metric_model_name(self.server.opts.served_model_name)
-        load = eng.load()
-        gauges = {
-            "num_running_reqs": ("Running requests.", load["num_running_reqs"]),
-            "num_queue_reqs": ("Requests waiting in the queue.", load["num_waiting_reqs"]),
-            "num_used_tokens": ("Tokens held by running requests.", load["num_used_tokens"]),
-            "token_usage": ("Used share of max_total_num_tokens.", load["token_usage"]),
-            "gen_throughput": ("Generation throughput, tokens per second.", load["gen_throughput"]),
-            "num_paused_reqs": ("Requests paused by a weight-sync pause.", load["num_paused_reqs"]),
-            "max_total_num_tokens": ("Token capacity.", load["max_total_num_tokens"]),
-        }
-        for key, (doc, value) in gauges.items():
-            g = GaugeMetricFamily(f"sglang:{key}", doc, labels=["model_name"])
-            g.add_metric([name], float(value))
-            yield g
-        counters = {
-            "prompt_tokens": ("Prefilled prompt tokens.", "prompt_tokens_total"),
-            "generation_tokens": ("Generated tokens.", "generation_tokens_total"),
-            "num_requests": ("Requests received.", "num_requests_total"),
-            "num_aborted_requests": ("Requests aborted.", "num_aborted_requests_total"),
-            "num_retracted_reqs": ("Requests retracted.", "num_retractions_total"),
-        }
-        for key, (doc, stat) in counters.items():
-            c = CounterMetricFamily(f"sglang:{key}", doc, labels=["model_name"])
-            c.add_metric([name], float(eng.stats[stat]))
-            yield c
-
-
 def build_app(opts: ServerOptions, model: Any = None, tokenizer: Any = None) -> tuple[web.Application, RolloutHTTPServer]:
     """Create the server (loading the model now, so readiness means servable) and its app."""
     server = RolloutHTTPServer(opts, model, tokenizer)
@@ -522,35 +509,14 @@ def build_app(opts: ServerOptions, model: Any = None, tokenizer: Any = None) -> 
 
 
 def parse_args(argv: list[str] | None = None) -> ServerOptions:
-    """SGLang-style flags (both ``--flag-name`` and ``--flag_name`` spellings)."""
-    ap = argparse.ArgumentParser(prog="python -m rollout_server.server", description=__doc__.split("\n\n")[0])
-    def add(name: str, **kw):
-        ap.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)
-    add("model-path", required=True, help="HF model directory (or a name known to asyncrl models)")
-    add("host", default="127.0.0.1")
-    add("port", type=int, default=30000)
-    # the key comes from the environment (ASYNCRL_ENGINE_API_KEY, what rollout_server.launch sets):
-    # a --api-key on the command line is visible to every user in `ps`
-    add("api-key", default=os.environ.get("ASYNCRL_ENGINE_API_KEY") or None)
-    add("incremental-streaming-output", action="store_true", help="stream deltas instead of cumulative chunks")
-    add("weight-version", default="default")
-    add("max-running-requests", type=int, default=64)
-    add("context-length", type=int, default=None)
-    add("engine-threads", type=int, default=None)
-    add("random-seed", type=int, default=0)
-    add("served-model-name", default=None)
-    add("stream-interval", type=int, default=1)
-    add("skip-tokenizer-init", action="store_true", help="input_ids only; responses carry no text (SGLang's flag)")
-    add("log-level", default="info")
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO))
-    return ServerOptions(
-        model_path=a.model_path, host=a.host, port=a.port, api_key=a.api_key,
-        incremental_streaming_output=a.incremental_streaming_output, weight_version=a.weight_version,
-        max_running_requests=a.max_running_requests, context_length=a.context_length,
-        engine_threads=a.engine_threads, random_seed=a.random_seed, served_model_name=a.served_model_name,
-        stream_interval=a.stream_interval, skip_tokenizer_init=a.skip_tokenizer_init,
-    )
+    """SGLang-style flags (both ``--flag-name`` and ``--flag_name`` spellings): :func:`rollout_server.server_options.parse_args`."""
+    return _parse_args(argv, description=__doc__.split("\n\n")[0])
+
+
+def _client_gone(request: web.Request) -> bool:
+    """The client closed its connection (however the disconnect surfaced)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     opts.model_path = str(resolve_model_path(opts.model_path))
     app, server = build_app(opts)
     print(f"asyncrl embedded engine serving {opts.model_path} on http://{opts.host}:{opts.port}", flush=True)
+    # aiohttp's keep-alive timer also runs from the connection's start until a request head is complete,
+    # so it is the header read timeout too (a client trickling headers is cut off)
     web.run_app(app, host=opts.host, port=opts.port, print=None, access_log=None, handle_signals=True,
-                shutdown_timeout=5.0)
+                shutdown_timeout=5.0, keepalive_timeout=opts.limits.header_timeout_seconds)
     return 0
 
 

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from rollout_server.requests import read_body
 from rollout_server.sampling import RequestError
+from rollout_server.weight_group import GroupTimeout, join_group, leave_group, on_daemon_thread, receive_broadcasts
 from rollout_server.schemas import (
     DestroyGroupBody,
     InitGroupBody,
@@ -33,6 +34,9 @@ from rollout_server.schemas import (
 __all__ = ["WeightEndpoints", "destroy_group"]
 
 log = logging.getLogger("rollout_server.server")
+
+#: seconds a handler waits for a join beyond its own bound (what the rendezvous's timeout does not cover)
+_JOIN_SLACK_SECONDS = 5.0
 
 
 class WeightEndpoints:
@@ -61,7 +65,7 @@ class WeightEndpoints:
 
     async def _weights_body(self, request: web.Request, schema: type, what: str) -> Any:
         """``request``'s body validated by ``schema``; a :class:`RequestError` says which field is wrong."""
-        return await read_body(request, schema, allow_empty=False, what=what)
+        return await read_body(request, schema, self.weights_body_reader, allow_empty=False, what=what)
 
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_disk``: load a safetensors directory (:class:`~rollout_server.schemas.UpdateFromDiskBody`)."""
@@ -94,31 +98,47 @@ class WeightEndpoints:
             return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
 
     async def handle_init_group(self, request: web.Request) -> web.Response:
-        """``POST /init_weights_update_group``: join rank 0's gloo group (:class:`~rollout_server.schemas.InitGroupBody`)."""
-        from asyncrl.weights import init_weights_update_group
+        """``POST /init_weights_update_group``: join rank 0's gloo group (:class:`~rollout_server.schemas.InitGroupBody`).
 
+        The join runs on a dedicated daemon thread (:func:`rollout_server.weight_group.on_daemon_thread`),
+        bounded by ``--weight-group-timeout-seconds``; the gloo device listens on the server's host.
+        """
         try:
             body = await self._weights_body(request, InitGroupBody, "/init_weights_update_group")
             if body.backend != "gloo":
                 raise RequestError(f"backend {body.backend!r} is not available on the CPU engine: use gloo")
-            if body.group_name in self._dist_groups:
+            if body.group_name in self._dist_groups or body.group_name in self._joining:
                 raise RequestError(f"weight update group {body.group_name!r} already exists")
         except RequestError as exc:
             return _refused(exc)
+        bound = self.limits.weight_group_timeout_seconds
+        self._joining.add(body.group_name)
         try:
-            pg = await self.loop.run_in_executor(
-                None, init_weights_update_group, body.master_address, body.master_port,
-                body.rank_offset, body.world_size, body.group_name, body.backend,
+            pg = await on_daemon_thread(
+                join_group, body.master_address, body.master_port, body.rank_offset, body.world_size,
+                body.group_name, self.opts.host, bound,
+                # the rendezvous itself is bounded too; the slack covers what it does not bound (name resolution)
+                timeout_seconds=bound + _JOIN_SLACK_SECONDS, what="joining weight update group", on_late_result=leave_group,
             )
+        except GroupTimeout as exc:
+            return web.json_response({"success": False, "message": f"Failed to init group: {exc} (master "
+                                      f"{body.master_address}:{body.master_port} unreachable?; the bound is "
+                                      "--weight-group-timeout-seconds, rollout.engine_weight_group_timeout_seconds)"},
+                                     status=400)
         except Exception as exc:  # rendezvous failure, timeout
-            return web.json_response({"success": False, "message": f"Failed to init group: {exc}"}, status=400)
+            return web.json_response({"success": False, "message": f"Failed to init group: {type(exc).__name__}: {exc}"},
+                                     status=400)
+        finally:
+            self._joining.discard(body.group_name)
         self._dist_groups[body.group_name] = pg
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def handle_update_from_distributed(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_distributed``: receive the announced broadcasts (:class:`~rollout_server.schemas.UpdateFromDistributedBody`)."""
-        from asyncrl.weights import WeightLoadError, receive_broadcast_weights
+        """``POST /update_weights_from_distributed``: receive the announced broadcasts (:class:`~rollout_server.schemas.UpdateFromDistributedBody`).
 
+        Each broadcast is bounded by ``--weight-group-timeout-seconds``; the receiving runs on a
+        daemon thread, so a stalled trainer never holds up shutdown.
+        """
         try:
             body = await self._weights_body(request, UpdateFromDistributedBody, "/update_weights_from_distributed")
             pg = self._dist_groups.get(body.group_name)
@@ -126,10 +146,13 @@ class WeightEndpoints:
                 raise RequestError(f"no weight update group {body.group_name!r}: call /init_weights_update_group first")
         except RequestError as exc:
             return _refused(exc)
+        from asyncrl.weights import WeightLoadError
+
         async with self._weights_lock:
             try:
-                state = await self.loop.run_in_executor(
-                    None, receive_broadcast_weights, pg, list(body.names), list(body.dtypes), [list(x) for x in body.shapes]
+                state = await on_daemon_thread(
+                    receive_broadcasts, pg, list(body.names), list(body.dtypes), [list(x) for x in body.shapes],
+                    self.limits.weight_group_timeout_seconds, timeout_seconds=None, what="receiving weight broadcasts",
                 )
             except (WeightLoadError, RuntimeError) as exc:
                 return web.json_response({"success": False, "message": f"Failed to receive weights: {exc}"}, status=400)
@@ -138,7 +161,7 @@ class WeightEndpoints:
     async def handle_destroy_group(self, request: web.Request) -> web.Response:
         """``POST /destroy_weights_update_group`` (:class:`~rollout_server.schemas.DestroyGroupBody`)."""
         try:
-            body = await read_body(request, DestroyGroupBody, what="/destroy_weights_update_group")
+            body = await read_body(request, DestroyGroupBody, self.body_reader, what="/destroy_weights_update_group")
         except RequestError as exc:
             return _refused(exc)
         pg = self._dist_groups.pop(body.group_name, None)
@@ -161,15 +184,14 @@ class WeightEndpoints:
 
 
 def _refused(exc: RequestError) -> web.Response:
-    """SGLang's answer to a refused weight request: 400 ``{"success": false, "message"}``."""
-    return web.json_response({"success": False, "message": str(exc)}, status=400)
+    """SGLang's answer to a refused weight request: 400 ``{"success": false, "message"}`` (413/408 for a body
+    refused by its size or arrival time; the connection is then closed, the body may be partly unread)."""
+    resp = web.json_response({"success": False, "message": str(exc)}, status=getattr(exc, "status", 400))
+    if getattr(exc, "status", 400) != 400:
+        resp.force_close()
+    return resp
 
 
 def destroy_group(pg: Any) -> None:
     """Destroy a weight-update process group, best effort (its endpoint, or the server's cleanup)."""
-    try:
-        import torch.distributed as dist
-
-        dist.destroy_process_group(pg)
-    except Exception:  # best effort at shutdown
-        log.debug("destroying weight update group failed", exc_info=True)
+    leave_group(pg)

@@ -1,0 +1,86 @@
+"""The embedded server's options and command line (``python -m rollout_server.server`` flags).
+
+One job: what one embedded server is told to be. The flags mirror SGLang's names (both
+``--flag-name`` and ``--flag_name`` spellings); the resource limits are
+:class:`rollout_server.limits.ServerLimits` (docs/rollout.md#limits).
+"""
+
+from __future__ import annotations
+
+import os
+
+import argparse
+import logging
+
+from rollout_server.limits import ServerLimits, add_limit_arguments, limits_from_args
+
+__all__ = ["ServerOptions", "parse_args"]
+
+
+class ServerOptions:
+    """Options of one embedded server (the CLI flags mirror SGLang's names; ``limits``: docs/rollout.md#limits)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        host: str = "127.0.0.1",
+        port: int = 30000,
+        api_key: str | None = None,
+        incremental_streaming_output: bool = False,
+        weight_version: str = "default",
+        max_running_requests: int = 64,
+        context_length: int | None = None,
+        engine_threads: int | None = None,
+        random_seed: int = 0,
+        served_model_name: str | None = None,
+        stream_interval: int = 1,
+        skip_tokenizer_init: bool = False,
+        limits: ServerLimits | None = None,
+    ):
+        self.model_path = str(model_path)
+        self.host, self.port = host, int(port)
+        self.api_key = api_key or None
+        self.incremental_streaming_output = bool(incremental_streaming_output)
+        self.weight_version = str(weight_version)
+        self.max_running_requests = int(max_running_requests)
+        self.context_length = context_length
+        self.engine_threads = engine_threads
+        self.random_seed = int(random_seed)
+        self.served_model_name = served_model_name or self.model_path
+        self.stream_interval = int(stream_interval)
+        self.skip_tokenizer_init = bool(skip_tokenizer_init)
+        self.limits = limits or ServerLimits()
+
+
+
+def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOptions:
+    """SGLang-style flags (both ``--flag-name`` and ``--flag_name`` spellings)."""
+    ap = argparse.ArgumentParser(prog="python -m rollout_server.server", description=description)
+    def add(name: str, **kw):
+        ap.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)
+    add("model-path", required=True, help="HF model directory (or a name known to asyncrl models)")
+    add("host", default="127.0.0.1")
+    add("port", type=int, default=30000)
+    # the key comes from the environment (ASYNCRL_ENGINE_API_KEY, what rollout_server.launch sets):
+    # a --api-key on the command line is visible to every user in `ps`
+    add("api-key", default=os.environ.get("ASYNCRL_ENGINE_API_KEY") or None)
+    add("incremental-streaming-output", action="store_true", help="stream deltas instead of cumulative chunks")
+    add("weight-version", default="default")
+    add("max-running-requests", type=int, default=64)
+    add("context-length", type=int, default=None)
+    add("engine-threads", type=int, default=None)
+    add("random-seed", type=int, default=0)
+    add("served-model-name", default=None)
+    add("stream-interval", type=int, default=1)
+    add("skip-tokenizer-init", action="store_true", help="input_ids only; responses carry no text (SGLang's flag)")
+    add("log-level", default="info")
+    add_limit_arguments(add)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO))
+    return ServerOptions(
+        model_path=a.model_path, host=a.host, port=a.port, api_key=a.api_key,
+        incremental_streaming_output=a.incremental_streaming_output, weight_version=a.weight_version,
+        max_running_requests=a.max_running_requests, context_length=a.context_length,
+        engine_threads=a.engine_threads, random_seed=a.random_seed, served_model_name=a.served_model_name,
+        stream_interval=a.stream_interval, skip_tokenizer_init=a.skip_tokenizer_init, limits=limits_from_args(a),
+    )
