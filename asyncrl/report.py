@@ -3,12 +3,13 @@
 Reads the run's ``metrics-*.jsonl`` (every role, see :mod:`asyncrl.tracking`) and its resolved
 ``config.yaml``, and writes into the run directory (or ``--out``):
 
-* ``report.png`` — eight panels over training wall time (minutes; held-out evaluation pauses
+* ``report.png`` — nine panels over training wall time (minutes; held-out evaluation pauses
   excluded): train reward, held-out accuracy (sampled at T = 1 with its 95% interval, and
   greedy), rollout tokens/s, staleness (max and mean, with the ``max_staleness`` bound),
   partial ratio, each role's idle ratio, each role's CPU share (``cpu_share/<role>``: its
   CPU seconds per wall second over all the run's cores, from :mod:`asyncrl.cpu_share`), and,
-  for PPO with a critic, the value loss and the critic's explained variance;
+  for PPO with a critic, the value loss and the critic's explained variance, and for agent
+  episodes (docs/agents.md) the turns and tool calls per episode (train and held-out);
 * ``report.md`` — steps, wall time, final and best held-out accuracy, tokens/s, max staleness,
   partial ratio, idle ratios, CPU shares, the critic's value loss (first and last step) and
   explained variance, drops and restarts.
@@ -180,6 +181,10 @@ def summarize(run: Run) -> dict[str, Any]:
         "value_loss_first": _first(recs, "train/value_loss"),
         "value_loss_final": _last(recs, "train/value_loss"),
         "explained_variance_final": _last(recs, "train/explained_variance"),
+        "episode_turns_first": _first(recs, "train/episode_turns_mean"),
+        "episode_turns_final": _last(recs, "train/episode_turns_mean"),
+        "episode_tool_calls_first": _first(recs, "train/episode_tool_calls_mean"),
+        "episode_tool_calls_final": _last(recs, "train/episode_tool_calls_mean"),
         "drops": _last(recs, "buffer/drops"),
         "restarts": _last(recs, "buffer/restarts"),
         "role_restarts": _last(recs, "supervisor/restarts"),
@@ -234,6 +239,10 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
         ("critic value loss, first / last step", [
             f"{_fmt(s['value_loss_first'])} / {_fmt(s['value_loss_final'])}" for s in sums]),
         ("critic explained variance, last step", [_fmt(s["explained_variance_final"], ".2f") for s in sums]),
+        ("episode turns, first / last step", [
+            f"{_fmt(s['episode_turns_first'])} / {_fmt(s['episode_turns_final'])}" for s in sums]),
+        ("episode tool calls, first / last step", [
+            f"{_fmt(s['episode_tool_calls_first'])} / {_fmt(s['episode_tool_calls_final'])}" for s in sums]),
         ("drops / sample restarts (buffer)", [f"{_fmt(s['drops'])} / {_fmt(s['restarts'])}" for s in sums]),
         ("role restarts (supervisor)", [_fmt(s["role_restarts"]) for s in sums]),
     ]
@@ -268,15 +277,15 @@ def _moving_average(ys: list[float], window: int) -> list[float]:
 
 
 def plot_runs(runs: list[Run], path: Path) -> None:
-    """Draw the eight panels (the critic's is "not logged" without one) for one or two runs into ``path`` (PNG, matplotlib Agg)."""
+    """Draw the nine panels (the critic's and the episodes' are "not logged" without them) for one or two runs into ``path`` (PNG, matplotlib Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(21, 8.5), constrained_layout=True)
+    fig, axes = plt.subplots(3, 3, figsize=(18, 12.5), constrained_layout=True)
     colors = ["tab:blue", "tab:orange"]
-    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle, ax_cpu, ax_critic = axes.flat
+    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle, ax_cpu, ax_critic, ax_episodes = axes.flat
     ax_ev = ax_critic.twinx()
     has_critic = False
     for run, color in zip(runs, colors):
@@ -322,6 +331,14 @@ def plot_runs(runs: list[Run], path: Path) -> None:
             has_critic = True
             ax_critic.plot(m(xs), ys, color=color, alpha=0.25, lw=0.8)
             ax_critic.plot(m(xs), _moving_average(ys, 10), color=color, label=f"{label} value loss")
+        for key, ls, what in (("train/episode_turns_mean", "-", "turns"), ("train/episode_tool_calls_mean", "--", "tool calls")):
+            xs, ys = series(recs, key)
+            if xs:
+                ax_episodes.plot(m(xs), _moving_average(ys, 10), color=color, ls=ls, label=f"{label} {what} (train)")
+        for key, mk, what in (("eval/turns_mean", "o", "turns"), ("eval/tool_calls_mean", "s", "tool calls")):
+            xs, ys = series(recs, key)
+            if xs:
+                ax_episodes.plot(m(xs), ys, mk, color=color, alpha=0.7, label=f"{label} {what} (held-out)")
         xs, ys = series(recs, "train/explained_variance")
         if xs:
             has_critic = True
@@ -335,6 +352,7 @@ def plot_runs(runs: list[Run], path: Path) -> None:
         (ax_idle, "idle ratio by role", "ratio"),
         (ax_cpu, "CPU share by role (of all the run's cores)", "share"),
         (ax_critic, "critic (PPO with GAE): value loss, explained variance (dashed)", "value loss"),
+        (ax_episodes, "agent episodes: turns and tool calls per episode (train: moving average of 10)", "per episode"),
     ]
     for ax, title, ylabel in titles:
         ax.set_title(title, fontsize=10)

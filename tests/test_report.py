@@ -14,7 +14,8 @@ from asyncrl.report import load_run, main, series, summarize, time_to_reach
 from asyncrl.tracking import MetricsLogger
 
 
-def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1.0, critic: bool = False):
+def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1.0, critic: bool = False,
+             episodes: bool = False):
     """A 40-step run: accuracy rises 0.1 -> 0.5 over 40 steps taking 30 s / speed each."""
     cfg = load_config(["--max_staleness", str(staleness), "--partial_percent", str(partial),
                        "--max_budget", "32", "--max_response_len", "64"])
@@ -28,7 +29,9 @@ def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1
                            "staleness/mean": 0.5, "idle_ratio/trainer": 0.3,
                            "time/forward_backward_seconds": 10.0,
                            **({"train/value_loss": 1.0 / step, "train/explained_variance": 1 - 1.0 / step}
-                              if critic else {})}, wall_seconds=wall)
+                              if critic else {}),
+                           **({"train/episode_turns_mean": 3.0 - step / 20, "train/episode_tool_calls_mean": step / 40}
+                              if episodes else {})}, wall_seconds=wall)
         for i, r in enumerate(rollouts):
             r.log(step, {"rollout/tokens_per_second": 100.0 + i, "idle_ratio/rollout-" + str(i): 0.1},
                   wall_seconds=wall + 1)
@@ -109,6 +112,17 @@ def test_critic_panel_and_rows(tmp_path):
     assert "| critic explained variance, last step | 0.97 |" in md
     plain = summarize(load_run(make_run(tmp_path / "grpo")))
     assert plain["value_loss_final"] is None and plain["explained_variance_final"] is None
+
+
+def test_episode_rows(tmp_path):
+    run_dir = make_run(tmp_path / "agents", episodes=True)
+    s = summarize(load_run(run_dir))
+    assert s["episode_turns_first"] == pytest.approx(2.95) and s["episode_turns_final"] == pytest.approx(1.0)
+    assert main([str(run_dir)]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert "| episode turns, first / last step | 2.95 / 1 |" in md
+    assert "| episode tool calls, first / last step | 0.025 / 1 |" in md
+    assert summarize(load_run(make_run(tmp_path / "plain")))["episode_turns_final"] is None
 
 
 def test_compare_two_runs(tmp_path):

@@ -192,6 +192,19 @@ def rows() -> list[list[dict]]:
             _panel("KV cache usage", [(f"max by (instance) (sglang:token_usage{{{R}}})", "{{instance}}")], "percentunit", "Share of the KV cache in use.", minmax=(0, 1)),
             _panel("In-flight requests (worker)", [(f"sum by (instance) (asyncrl_rollout_inflight_requests{{{R}}})", "{{instance}}")], "short", "Requests each rollout worker keeps in flight."),
         ],
+        [_row("Agent episodes (multi-turn workflows, docs/agents.md)")],
+        [
+            _panel("Episodes by termination", [(_rate("asyncrl_rollout_episodes_total", by="termination"), "{{termination}}")],
+                   "ops", "Episodes finished per second, by why they ended (env_done, turn_limit, token_limit, timeout, error).", stack=True),
+            _panel("Turns and tool calls per episode", [
+                (_mean("asyncrl_rollout_episode_turns"), "turns (mean)"),
+                (_mean("asyncrl_rollout_episode_tool_calls"), "tool calls (mean)"),
+            ], "short", "Model calls and tool calls per finished episode."),
+            _panel("Replayed calls and restarts", [
+                (_rate("asyncrl_rollout_episode_replayed_calls_total"), "replayed calls"),
+                (_rate("asyncrl_rollout_episode_restarts_total", by="reason"), "restarts {{reason}}"),
+            ], "ops", "Model calls of resumed episodes answered from the buffer's record; episodes restarted because a replay differed."),
+        ],
     ]
 
 
