@@ -110,11 +110,17 @@ class WorkKind(str, Enum):
 
 @dataclass(frozen=True)
 class Segment:
-    """Tokens ``response_ids[start:end]`` produced by one engine call, and why that call ended."""
+    """Tokens ``response_ids[start:end]`` produced by one engine call, and why that call ended.
+
+    Episodes (docs/agents.md) add ``turn`` (a model call ended), ``obs`` (environment tokens) and
+    ``ctx`` (the prompt of a further trajectory); ``trajectory`` is the episode's trajectory the
+    tokens belong to (0 = the main one, whose prompt is the group's).
+    """
 
     start: int
     end: int
     finish_reason: str
+    trajectory: int = 0
 
 
 @dataclass

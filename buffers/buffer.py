@@ -65,6 +65,19 @@ __all__ = ["BufferSettings", "ReplayBuffer", "STALE_POLICIES", "FINISH_REASONS"]
 _APPEND_STATUS = ("running", "complete", "partial", "pending")
 
 
+def _tagged(finish: str, trajectory: int | None) -> str:
+    """``finish`` with an episode's trajectory tag ``@k`` (buffers/lua/append.lua), or as is.
+
+    Raises:
+        BadRequest: ``trajectory`` outside 0-15.
+    """
+    if trajectory is None:
+        return finish
+    if not 0 <= int(trajectory) <= 15:
+        raise BadRequest(f"trajectory must be in 0..15, got {trajectory}")
+    return f"{finish}@{int(trajectory)}"
+
+
 def _decode_append(reply: Any) -> Any:
     """``length * 8 + status code`` -> (length, status); an error string -> its exception."""
     if isinstance(reply, int):
@@ -272,7 +285,8 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         return items
 
     async def append(
-        self, item: WorkItem, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+        self, item: WorkItem, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+        trajectory: int | None = None,
     ) -> int:
         """Append one chunk of generated tokens (exactly once, at ``item.length_tokens``).
 
@@ -285,7 +299,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         Raises:
             LeaseLost, VersionAhead, BadRequest, BadOffset, UnknownItem: nothing appended.
         """
-        return (await self._append(item, ids, logprobs, versions, ""))[0]
+        return (await self._append(item, ids, logprobs, versions, _tagged("", trajectory)))[0]
 
     async def end_segment(
         self,
@@ -294,6 +308,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         ids: Sequence[int] = (),
         logprobs: Sequence[float] = (),
         versions: Sequence[int] = (),
+        trajectory: int | None = None,
     ) -> SampleStatus:
         """Append an optional last chunk and end the engine call (one script).
 
@@ -306,13 +321,16 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         """
         if finish_reason not in FINISH_REASONS:
             raise BadRequest(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
-        _, status = await self._append(item, ids, logprobs, versions, finish_reason)
+        _, status = await self._append(item, ids, logprobs, versions, _tagged(finish_reason, trajectory))
         return SampleStatus(status)
 
-    async def append_observation(self, item: WorkItem, ids: Sequence[int], version: int) -> int:
+    async def append_observation(self, item: WorkItem, ids: Sequence[int], version: int,
+                                 trajectory: int | None = None, kind: str = "obs") -> int:
         """Append an episode's environment tokens as their own ``obs`` segment (docs/agents.md).
 
-        Only at a segment boundary (the current model call ended with ``turn``). The tokens get
+        ``kind="ctx"`` appends the prompt of a further trajectory instead (docs/agents.md);
+        ``trajectory`` (0-15) tags the segment. Only at a segment boundary (the current model call
+        ended with ``turn``). The tokens get
         behaviour logprob 0 and policy version ``version`` (the version of the call before them,
         <= the clock); they count toward ``max_response_len`` but not toward the budget or staleness.
 
@@ -325,7 +343,9 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         """
         if not ids:
             raise BadRequest(f"an observation of sample {item.sample_id} has no tokens")
-        return (await self._append(item, ids, [0.0] * len(ids), [int(version)] * len(ids), "obs"))[0]
+        if kind not in ("obs", "ctx"):
+            raise BadRequest(f"kind must be obs (an observation) or ctx (a trajectory's prompt), got {kind!r}")
+        return (await self._append(item, ids, [0.0] * len(ids), [int(version)] * len(ids), _tagged(kind, trajectory)))[0]
 
     async def restart_episode(self, item: WorkItem) -> None:
         """Send a claimed episode back to its pristine prompt (a non-deterministic workflow, docs/agents.md).

@@ -36,7 +36,7 @@ def sampling_counts(counters: dict[str, int]) -> dict[str, Any]:
         "skipped_prompts": sum(v for k, v in counters.items() if k.startswith("skipped_prompts:")),
     }
 
-_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort", 6: "turn", 7: "obs"}
+_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort", 6: "turn", 7: "obs", 8: "ctx"}
 
 
 class BufferInspection:
@@ -109,7 +109,8 @@ class BufferInspection:
             if len(segs_raw) % 3:
                 raise ValueError("segment array is not a multiple of 3 int32")
             segs = [
-                Segment(segs_raw[j], segs_raw[j + 1], _SEGMENT_REASON.get(segs_raw[j + 2], "abort"))
+                Segment(segs_raw[j], segs_raw[j + 1], _SEGMENT_REASON.get(segs_raw[j + 2] % 16, "abort"),
+                        segs_raw[j + 2] // 16)
                 for j in range(0, len(segs_raw), 3)
             ]
             adv: Any = None

@@ -88,6 +88,7 @@ class _LiveCalls:
         self._bver = item.clock_version
         self._bused = item.produced_under_version_tokens
         self.live_calls = 0
+        self._traj = 0  # the trajectory being written (tags every append, docs/agents.md)
         # tokens of the current call already flushed to the buffer (returned with the call's output)
         self._stream_ids: list[int] = []
         self._stream_lps: list[float] = []
@@ -105,7 +106,7 @@ class _LiveCalls:
 
     async def _park(self, reason: str, why: str, ids=(), lps=(), vers=()) -> None:
         try:
-            status = await self.w.buffer.end_segment(self.item, reason, ids, lps, vers)
+            status = await self.w.buffer.end_segment(self.item, reason, ids, lps, vers, trajectory=self._traj)
         except VersionAhead:
             await self.w.buffer.end_segment(self.item, "abort")
             self.w._resync = True
@@ -120,8 +121,10 @@ class _LiveCalls:
         self.w._note_parked("budget" if reason == "budget" else ("shutdown" if self.w._draining else "weight_update"))
         raise _Parked(status, why)
 
-    async def generate(self, context_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], list[int], str]:
+    async def generate(self, context_ids: list[int], max_new_tokens: int,
+                       trajectory: int = 0) -> tuple[list[int], list[float], list[int], str]:
         w, item = self.w, self.item
+        self._traj = int(trajectory)
         if w._draining:
             await self._park("abort", "drain")
         room = w.settings.max_response_len - self.length
@@ -154,7 +157,7 @@ class _LiveCalls:
                         engine_finish = d.finish_reason.get("type")
                         break
                     if len(ids) >= flush:
-                        await w.buffer.append(item, ids, lps, vers)
+                        await w.buffer.append(item, ids, lps, vers, trajectory=self._traj)
                         self._done(ids, lps, vers)
                         ids, lps, vers = [], [], []
         except VersionAhead:
@@ -186,7 +189,7 @@ class _LiveCalls:
         if engine_finish == "length" and binding == "budget":
             await self._park("budget", "budget", ids, lps, vers)
         try:
-            status = await w.buffer.end_segment(item, "turn", ids, lps, vers)
+            status = await w.buffer.end_segment(item, "turn", ids, lps, vers, trajectory=self._traj)
         except VersionAhead:
             w.stats.version_ahead += 1
             await self._park("abort", "version_ahead")
@@ -208,15 +211,17 @@ class _LiveCalls:
         self._count(vers)
         self.w._count_tokens(len(ids))
 
-    async def observe(self, ids: list[int], version: int) -> None:
+    async def observe(self, ids: list[int], version: int, trajectory: int = 0, kind: str = "obs") -> None:
         w, item = self.w, self.item
+        self._traj = int(trajectory)
         if w._draining:
             await self._park("abort", "drain")
         if self.length + len(ids) > w.settings.max_response_len:
             raise TokenLimit(f"sample {item.sample_id}: an observation of {len(ids)} tokens does not fit "
                              f"({self.length} of max_response_len {w.settings.max_response_len} used)")
         try:
-            self.length = await w.buffer.append_observation(item, ids, max(0, int(version)))
+            self.length = await w.buffer.append_observation(item, ids, max(0, int(version)), trajectory=self._traj,
+                                                            kind=kind)
         except Exception as exc:
             raise _Abandon(exc) from exc
 
@@ -326,12 +331,11 @@ class EpisodeRunner:
             log.warning("workflow of episode %s raised: %r", item.sample_id, exc)
             error = f"WorkflowError: {type(exc).__name__}: {exc}"
             episode = Episode(0.0, "error")
-        if not history.exhausted:
+        if not model.replay_exhausted:
             return await self._restart(item, model, NonDeterministicWorkflow(
-                f"episode {item.sample_id}: the workflow returned with {len(history.events) - history.pos} recorded "
-                "events left"))
+                f"episode {item.sample_id}: the workflow returned with recorded events left"))
         if item.kind == WorkKind.GENERATE and not model.at_token_limit:
-            status = await w.buffer.end_segment(item, "stop")
+            status = await w.buffer.end_segment(item, "stop", trajectory=0)
             if status != SampleStatus.COMPLETE:
                 raise WorkerError(f"episode {item.sample_id}: ending it left status {status}")
         kind, advantages = "none", None
@@ -340,15 +344,20 @@ class EpisodeRunner:
                 kind, advantages = model.token_advantages()
             except ValueError as exc:
                 error = f"WorkflowError: {exc}"
+        try:
+            info = model.info(episode)
+        except ValueError as exc:
+            error = error or f"WorkflowError: {exc}"
+            info = model.info(Episode(episode.reward, episode.termination, episode.metrics))
         self._count_episode_metrics(episode, model)
         if error is not None:
-            await w.buffer.score(item, error=error, info=model.info(episode))
+            await w.buffer.score(item, error=error, info=info)
             w.stats.reward_errors += 1
             if w.metrics is not None:
                 w.metrics.scored(0.0, "error")
         else:
             await w.buffer.score(item, reward=float(episode.reward), advantages=advantages,
-                                 info={**model.info(episode), "advantages": kind})
+                                 info={**info, "advantages": kind})
             if w.metrics is not None:
                 w.metrics.scored(float(episode.reward), "correct" if episode.reward > 0 else "incorrect")
         w.stats.scored += 1

@@ -111,3 +111,18 @@ async def opsd_two_calls(task, model, env):
     await model.observe("go on", role="user")
     await model.generate(max_tokens=5)
     return Episode(0.25)
+
+
+JUDGE_PROMPT = [{"role": "user", "content": "Is the answer right?"}]
+
+
+async def solver_and_judge(task, model, env):
+    """Two trajectories: the solver answers, a judge (its own prompt) speaks, the solver answers again."""
+    await model.generate(max_tokens=5)
+    judge = await model.trajectory("judge", messages=JUDGE_PROMPT)
+    await judge.generate(max_tokens=4)
+    await model.observe("the judge spoke", role="user")
+    await model.generate(max_tokens=5)
+    await judge.observe("and now?", role="user")
+    await judge.generate(max_tokens=4)
+    return Episode(0.5, "env_done", trajectory_rewards={"judge": 1.0 if len(model.steps[0].output.token_ids) % 2 else 0.0})

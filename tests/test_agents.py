@@ -417,3 +417,51 @@ async def test_the_docs_example_workflow_runs(redis_url, server, tokenizer, tmp_
             assert s.info["termination"] in ("env_done", "turn_limit") and 1 <= s.info["turns"] <= 3
             env, calls = episode_layout(s.segments, len(s.response_ids))
             assert len(calls) == s.info["turns"] and len(env) == len(calls) - 1  # a hint after each wrong guess
+
+
+# ---------------------------------------------------------------------------------------------- trajectories
+@pytest.mark.parametrize("budget", [64, 3])
+async def test_two_trajectories_recorded_replayed_and_trained_apart(budget, redis_url, server, tokenizer, tmp_path):
+    """A solver and a judge in one episode: one record with segments tagged by trajectory; with a budget
+    of 3 tokens the calls are parked and replayed across trajectories without regenerating a token; the
+    trainer makes one group of solvers and one of judges, each judge prompted by its own ids."""
+    from asyncrl.config import load_config
+    from trainer.batch import prepare_batch
+
+    async with await ReplayBuffer.open(redis_url, f"ep9-{budget}", _settings(max_budget_tokens=budget)) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "solve"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:solver_and_judge")
+        stats = await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        group, samples = await buf.get_group("g0")
+        judge_prompt = list(tokenizer(tokenizer.apply_chat_template(agent_workflows.JUDGE_PROMPT, tokenize=False,
+                                                                    add_generation_prompt=True),
+                                      add_special_tokens=False)["input_ids"])
+        model_tokens = 0
+        for s in samples:
+            trajs = [seg.trajectory for seg in s.segments]
+            assert set(trajs) == {0, 1} and s.info["trajectories"] == ["main", "judge"]
+            ctx = [seg for seg in s.segments if seg.finish_reason == "ctx"]
+            assert len(ctx) == 1 and ctx[0].trajectory == 1
+            assert s.response_ids[ctx[0].start:ctx[0].end] == judge_prompt
+            model_tokens += sum(seg.end - seg.start for seg in s.segments if seg.finish_reason not in ("obs", "ctx"))
+            if budget == 3:
+                assert any(seg.finish_reason == "budget" for seg in s.segments) and s.num_resumes >= 1
+        assert stats.generated_tokens == model_tokens  # nothing regenerated across replays
+        cfg = load_config([], overrides={"model": {"path": "tiny"}, "rollout": {"n_samples_per_prompt": 2},
+                                         "agent": {"workflow": "agent_workflows:solver_and_judge"}})
+        batch = prepare_batch([{"group_id": "g0", "prompt_ids": group.prompt_ids, "samples": samples}], cfg, 0)
+        assert batch.group_ids == ["g0", "g0~judge"]
+        solvers = [p for p in batch.samples if p.group_id == "g0"]
+        judges = [p for p in batch.samples if p.group_id == "g0~judge"]
+        assert len(solvers) == len(judges) == 2
+        for p, s in zip(judges, samples):
+            assert p.prompt_ids == judge_prompt and p.sample_id == f"{s.sample_id}~judge"
+            own = [seg for seg in s.segments if seg.trajectory == 1 and seg.finish_reason != "ctx"]
+            assert p.response_ids == [t for seg in own for t in s.response_ids[seg.start:seg.end]]
+            assert int(p.loss_mask.sum()) == len(p.response_ids) - sum(
+                seg.end - seg.start for seg in own if seg.finish_reason == "obs")
+            assert p.reward == s.info["trajectory_rewards"][1]
+        for p, s in zip(solvers, samples):
+            assert p.prompt_ids == group.prompt_ids and p.reward == 0.5
+            assert len(p.response_ids) == sum(seg.end - seg.start for seg in s.segments if seg.trajectory == 0)

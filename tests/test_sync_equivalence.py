@@ -136,7 +136,9 @@ def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], 
     config_file = tmp_path / "sync.yaml"
     dump_config(cfg, config_file)
     log = open(tmp_path / "rollout-server.log", "wb")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]),
+           # the dumped config holds no secrets (docs/security.md): the Redis URL travels in the environment
+           "ASYNCRL_BUFFER__REDIS_URL": cfg.buffer.redis_url.get_secret_value()}
     server = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "rollout-server", "--config", str(config_file),
                                "--server_index", "0"], stdout=log, stderr=subprocess.STDOUT, env=env)
     stop = threading.Event()

@@ -71,8 +71,10 @@ class Run:
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
+        # the dumped config holds no secrets (docs/security.md): the Redis URL travels in the environment
+        env = {**_env(), "ASYNCRL_BUFFER__REDIS_URL": self.cfg.buffer.redis_url.get_secret_value()}
         proc = subprocess.Popen([sys.executable, *args, "--config", str(self.config_file)], stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(), cwd=self.tmp)
+                                stderr=subprocess.STDOUT, env=env, cwd=self.tmp)
         log.close()
         self.procs[name] = proc
         return proc

@@ -39,7 +39,15 @@ import torch
 
 from asyncrl.rewards import check_verifier_status
 from trainer.advantages import group_advantages, overlong_penalty, process_rewards
-from trainer.episodes import apply_grouping_hook, check_stepwise_mode, env_mask, episode_layout, expand_stepwise
+from trainer.episodes import (
+    apply_grouping_hook,
+    check_stepwise_mode,
+    env_mask,
+    episode_layout,
+    expand_stepwise,
+    expand_trajectories,
+    seg_tuple,
+)
 
 __all__ = [
     "BatchError",
@@ -80,6 +88,7 @@ class TrainSample:
         env_spans: ``[start, end)`` ranges of environment tokens of an episode (loss-masked).
         call_spans: ``[start, end)`` ranges of an episode's model calls (empty: single-turn).
         info: an episode's termination and counts (docs/agents.md), None for single-turn.
+        segments: the episode's segments ``(start, end, reason, trajectory)`` (empty: single-turn).
     """
 
     sample_id: str
@@ -96,6 +105,7 @@ class TrainSample:
     env_spans: list[tuple[int, int]] = field(default_factory=list)
     call_spans: list[tuple[int, int]] = field(default_factory=list)
     info: dict[str, Any] | None = None
+    segments: list[tuple] = field(default_factory=list)
 
     @property
     def eos(self) -> bool:
@@ -137,6 +147,8 @@ class TrainSample:
             env_spans=env_spans,
             call_spans=call_spans,
             info=_get(record, "info"),
+            segments=[seg_tuple(x) for x in (_get(record, "segments", None) or [])]
+            if env_spans or call_spans else [],
         )
 
 
@@ -286,8 +298,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
     kept: list[TrainGroup] = []
     seen: set[str] = set()
     dropped = 0
-    for record in groups:
-        group = TrainGroup.from_record(record)
+    for group in expand_trajectories([TrainGroup.from_record(r) for r in groups]):
         good = []
         for s in group.samples:
             if s.sample_id in seen:
@@ -345,7 +356,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
                 mask = mask * (versions >= policy_version).float()
             staleness += (policy_version - versions[model_tokens > 0]).clamp(min=0).tolist()
             prepared.append(PreparedSample(
-                s.sample_id, g.group_id, list(g.prompt_ids), list(s.response_ids),
+                s.sample_id, g.group_id, list(s.prompt_ids), list(s.response_ids),
                 torch.tensor(s.behaviour_logprobs, dtype=torch.float32), a, mask, versions, float(r),
                 list(s.call_spans),
             ))

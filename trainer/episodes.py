@@ -26,15 +26,87 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["episode_layout", "check_stepwise_mode", "expand_stepwise", "apply_grouping_hook"]
+__all__ = ["episode_layout", "check_stepwise_mode", "expand_stepwise", "apply_grouping_hook", "expand_trajectories",
+           "seg_tuple"]
 
 
 def _seg_fields(seg: Any) -> tuple[int, int, str]:
+    return seg_tuple(seg)[:3]  # type: ignore[return-value]
+
+
+def seg_tuple(seg: Any) -> tuple[int, int, str, int]:
+    """``(start, end, finish_reason, trajectory)`` of a segment given as an object, tuple or dict."""
     if isinstance(seg, (tuple, list)):
-        return int(seg[0]), int(seg[1]), str(seg[2])
+        return int(seg[0]), int(seg[1]), str(seg[2]), int(seg[3]) if len(seg) > 3 else 0
     if isinstance(seg, dict):
-        return int(seg["start"]), int(seg["end"]), str(seg["finish_reason"])
-    return int(seg.start), int(seg.end), str(seg.finish_reason)
+        return int(seg["start"]), int(seg["end"]), str(seg["finish_reason"]), int(seg.get("trajectory", 0))
+    return int(seg.start), int(seg.end), str(seg.finish_reason), int(getattr(seg, "trajectory", 0))
+
+
+def expand_trajectories(groups: list[Any]) -> list[Any]:
+    """Split episodes with several trajectories into one sample per trajectory (docs/agents.md).
+
+    Trajectory 0 keeps the group (its prompt is the group's); trajectory k of every episode of
+    the group forms the group ``<group_id>~<name>``, each sample's prompt being its ``ctx``
+    segment. A sample's response is the concatenation of its trajectory's segments; its reward
+    is ``info["trajectory_rewards"][k]`` (the episode's reward when absent); per-token
+    precomputed advantages are sliced the same way. Groups without such episodes pass unchanged.
+
+    Raises:
+        ValueError: a trajectory whose first segment is not its prompt (``ctx``), or episodes of
+            one group whose trajectory names differ.
+    """
+    from trainer.batch import TrainGroup, TrainSample
+
+    out: list[Any] = []
+    for g in groups:
+        multi = any(any(seg_tuple(x)[3] > 0 for x in (s.segments or [])) for s in g.samples)
+        if not multi:
+            out.append(g)
+            continue
+        by_traj: dict[int, list[Any]] = {}
+        names: dict[int, str] = {0: "main"}
+        for s in g.samples:
+            segs = [seg_tuple(x) for x in s.segments]
+            info = s.info or {}
+            tnames = list(info.get("trajectories") or ["main"])
+            trewards = list(info.get("trajectory_rewards") or [])
+            for k in sorted({t for *_, t in segs} | {0}):
+                own = [x for x in segs if x[3] == k]
+                if k == 0:
+                    prompt = list(s.prompt_ids)
+                else:
+                    if not own or own[0][2] != "ctx":
+                        raise ValueError(f"sample {s.sample_id}: trajectory {k} does not start with its prompt (ctx)")
+                    prompt = list(s.response_ids[own[0][0]:own[0][1]])
+                    own = own[1:]
+                name = tnames[k] if k < len(tnames) else f"t{k}"
+                if names.setdefault(k, name) != name:
+                    raise ValueError(f"group {g.group_id}: trajectory {k} is {names[k]!r} in one episode and {name!r} "
+                                     "in another; open trajectories in the same order in every episode")
+                idx = [i for a, b, _, _ in own for i in range(a, b)]
+                local, pos = [], 0
+                for a, b, r, _ in own:
+                    local.append((pos, pos + (b - a), r))
+                    pos += b - a
+                env, calls = episode_layout(local, pos)
+                adv = s.advantages
+                if isinstance(adv, list):
+                    adv = [adv[i] for i in idx]
+                reward = trewards[k] if k < len(trewards) else s.reward
+                by_traj.setdefault(k, []).append(TrainSample(
+                    sample_id=s.sample_id if k == 0 else f"{s.sample_id}~{name}", group_id=g.group_id, index=s.index,
+                    prompt_ids=prompt, response_ids=[s.response_ids[i] for i in idx],
+                    behaviour_logprobs=[s.behaviour_logprobs[i] for i in idx], versions=[s.versions[i] for i in idx],
+                    finish_reason=s.finish_reason, reward=reward, advantages=adv, error=s.error,
+                    env_spans=env, call_spans=calls, info=s.info if k == 0 else None, segments=local))
+        for k in sorted(by_traj):
+            gid = g.group_id if k == 0 else f"{g.group_id}~{names[k]}"
+            samples = by_traj[k]
+            for smp in samples:
+                smp.group_id = gid
+            out.append(TrainGroup(gid, samples[0].prompt_ids if k == 0 else list(g.prompt_ids), samples, g.metadata))
+    return out
 
 
 def episode_layout(segments: Sequence[Any], response_len: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -51,7 +123,7 @@ def episode_layout(segments: Sequence[Any], response_len: int) -> tuple[list[tup
         ``turn`` segment).
     """
     segs = [_seg_fields(s) for s in segments]
-    if not any(r in ("obs", "turn") for _, _, r in segs):
+    if not any(r in ("obs", "turn", "ctx") for _, _, r in segs):
         return [], []
     env: list[tuple[int, int]] = []
     calls: list[tuple[int, int]] = []
@@ -59,7 +131,7 @@ def episode_layout(segments: Sequence[Any], response_len: int) -> tuple[list[tup
     pos = 0
     for start, end, reason in segs:
         pos = max(pos, end)
-        if reason == "obs":
+        if reason in ("obs", "ctx"):
             if open_start is not None and start > open_start:
                 calls.append((open_start, start))
             open_start = None

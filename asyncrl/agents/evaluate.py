@@ -78,7 +78,7 @@ class _EvalCalls:
         self.last_output = None
         self.generated = 0
 
-    async def generate(self, context_ids: list[int], max_new_tokens: int):
+    async def generate(self, context_ids: list[int], max_new_tokens: int, trajectory: int = 0):
         from rollout_server.sampling import SamplingParams
 
         room = self.max_len - self.length
@@ -105,7 +105,7 @@ class _EvalCalls:
             raise TokenLimit("evaluation episode reached the token limit")
         return ids, lps, [0] * len(ids), reason
 
-    async def observe(self, ids: list[int], version: int) -> None:
+    async def observe(self, ids: list[int], version: int, trajectory: int = 0, kind: str = "obs") -> None:
         if self.length + len(ids) > self.max_len:
             raise TokenLimit("an observation does not fit under the token limit")
         self.length += len(ids)

@@ -91,16 +91,17 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
             if model.scorer is None or not model.steps:
                 return episode
             hint_ids = model.chat.message_ids(privileged(task), role)
-            teacher_prompt = hint_ids + list(task.prompt_ids)
-            for step in model.steps:
-                target = list(step.output.token_ids)
-                if not target:
-                    step.advantages = []
-                    continue
-                before = model.response_ids[:step.start]
-                teacher = await (model.teacher_scorer or model.scorer)(teacher_prompt + before, target)
-                student = await model.scorer(list(task.prompt_ids) + before, target)
-                step.advantages = opsd_advantages(teacher, student, clip)
+            for traj in model.trajectories:  # each trajectory's calls, with its own prompt
+                teacher_prompt = hint_ids + list(traj.prompt_ids)
+                for step in traj.steps:
+                    target = list(step.output.token_ids)
+                    if not target:
+                        step.advantages = []
+                        continue
+                    before = traj.response_ids[:step.start]
+                    teacher = await (model.teacher_scorer or model.scorer)(teacher_prompt + before, target)
+                    student = await model.scorer(list(traj.prompt_ids) + before, target)
+                    step.advantages = opsd_advantages(teacher, student, clip)
             return episode
 
         wrapped.opsd = True  # type: ignore[attr-defined]

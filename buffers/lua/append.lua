@@ -8,7 +8,8 @@
 -- 'obs' appends environment tokens as their own segment (code obs; they are not model tokens:
 -- no budget, no staleness; only allowed at a segment boundary); 'restart' sends the sample back
 -- to its pristine prompt (counted restarted_samples:nondeterministic; a complete unscored sample
--- may be restarted too).
+-- may be restarted too). 'ctx' appends the prompt of a further trajectory of the episode (like
+-- 'obs'); any finish may carry '@<k>', the trajectory (0-15) the chunk belongs to.
 -- Result per item: an integer length * 8 + status code (0 running, 1 complete, 2 partial,
 -- 3 pending), or the error string '<CODE> <message>' (compact replies parse fast in the client).
 local function fail(code, msg) return code .. ' ' .. msg end
@@ -41,8 +42,16 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   if #cids % 4 ~= 0 or #clps ~= #cids or #cvers ~= #cids then
     return fail('BAD_REQUEST', 'chunk arrays must be packed int32/float32 of equal length')
   end
+  -- an episode's chunks carry their trajectory: '<finish>@<k>' (k in 0..15; docs/agents.md)
+  local traj = nil
+  local fbase, ftraj = string.match(finish, '^(%a*)@(%d+)$')
+  if fbase then
+    traj = tonumber(ftraj)
+    if traj > 15 then return fail('BAD_REQUEST', 'trajectory index ' .. traj .. ' > 15') end
+    finish = fbase
+  end
   if finish ~= '' and (not FINISH_CODE[finish] or finish == 'lease') then
-    return fail('BAD_REQUEST', 'finish reason must be stop, length, abort, budget, turn, obs or restart, got ' .. finish)
+    return fail('BAD_REQUEST', 'finish reason must be stop, length, abort, budget, turn, obs, ctx or restart, got ' .. finish)
   end
   local cur = #f[3] / 4
   local nnew = #cids / 4
@@ -61,9 +70,16 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   local bver, bused = tonumber(f[6]), tonumber(f[7])
   local minv, maxv = tonumber(f[8]), tonumber(f[9])
   local seg_start = tonumber(f[10])
-  if finish == 'obs' then
+  if traj ~= nil then
+    -- the trajectory of the chunk: an open call of another trajectory must be ended first
+    local cur_traj = tonumber(redis.call('HGET', sk, 'traj') or '0') or 0
+    if traj ~= cur_traj and seg_start ~= cur then
+      return fail('BAD_REQUEST', 'sample ' .. sid .. ' has an open call of trajectory ' .. cur_traj .. '; end it before writing trajectory ' .. traj)
+    end
+  end
+  if finish == 'obs' or finish == 'ctx' then
     -- environment tokens: validated, written as their own segment, outside budget and staleness
-    if nnew == 0 then return fail('BAD_REQUEST', 'an observation of sample ' .. sid .. ' has no tokens') end
+    if nnew == 0 then return fail('BAD_REQUEST', 'an observation (or trajectory prompt) of sample ' .. sid .. ' has no tokens') end
     if seg_start ~= cur then
       return fail('BAD_REQUEST', 'sample ' .. sid .. ' has model tokens since offset ' .. seg_start .. ' in an open call: end the call (turn) before an observation')
     end
@@ -73,10 +89,11 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     end
     local len = cur + nnew
     state.writing = true
+    if traj ~= nil then redis.call('HSET', sk, 'traj', traj) end
     redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers, 'seg_start', len, 'updated', NOW)
-    close_segment(sk, f[11], cur, len, FINISH_CODE.obs)
+    close_segment(sk, f[11], cur, len, FINISH_CODE[finish])
     redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
-    stat('observation_tokens', nnew)
+    stat(finish == 'ctx' and 'trajectory_prompt_tokens' or 'observation_tokens', nnew)
     return ok(len, 'running')
   end
   for j = 0, nnew - 1 do
@@ -92,6 +109,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   end
   -- validated: from here on every step writes
   state.writing = true
+  if traj ~= nil then redis.call('HSET', sk, 'traj', traj) end
   local len = cur + nnew
   if nnew > 0 then
     redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers,

@@ -9,7 +9,9 @@ local POLICY = ARGV[9]               -- stale policy: restart | drop | keep
 local LEASE_MS = tonumber(ARGV[10])  -- lease of a claim, milliseconds
 local BPV = tonumber(ARGV[11])       -- train batches per published version (weight_sync.interval)
 -- turn: a model call of an episode ended, the episode goes on; obs: environment tokens of an episode
-local FINISH_CODE = {stop = 1, length = 2, abort = 3, budget = 4, lease = 5, turn = 6, obs = 7}
+-- ctx: the prompt of an episode's further trajectory (docs/agents.md). A segment's stored code is
+-- FINISH_CODE + 16 * the trajectory it belongs to (the sample's `traj` field when it closed).
+local FINISH_CODE = {stop = 1, length = 2, abort = 3, budget = 4, lease = 5, turn = 6, obs = 7, ctx = 8}
 
 local function skey(sid) return k('sample:' .. sid) end
 local function gkey(gid) return k('group:' .. gid) end
@@ -77,7 +79,7 @@ local function reset_sample(sid, reason)
   if f[1] == 'scored' then redis.call('HINCRBY', gk, 'n_scored', -1) end
   if f[1] == 'failed' then redis.call('HINCRBY', gk, 'n_failed', -1) end
   unqueue(sid)
-  redis.call('HDEL', sk, 'reward', 'error', 'adv', 'adv_kind', 'info')
+  redis.call('HDEL', sk, 'reward', 'error', 'adv', 'adv_kind', 'info', 'traj')
   redis.call('HSET', sk, 'status', 'pending', 'ids', '', 'lps', '', 'vers', '', 'segs', '',
     'minv', -1, 'maxv', -1, 'bver', -1, 'bused', 0, 'claim', '', 'seg_start', 0, 'finish', '',
     'restarts', tonumber(f[4] or '0') + 1, 'updated', NOW, 'completed', 0)
@@ -121,7 +123,8 @@ end
 -- Close the open segment of a running sample [seg_start, len) with a finish code.
 local function close_segment(sk, f_segs, seg_start, len, code)
   if len > seg_start then
-    redis.call('HSET', sk, 'segs', (f_segs or '') .. struct.pack('<i4<i4<i4', seg_start, len, code))
+    local traj = tonumber(redis.call('HGET', sk, 'traj') or '0') or 0
+    redis.call('HSET', sk, 'segs', (f_segs or '') .. struct.pack('<i4<i4<i4', seg_start, len, code + 16 * traj))
   end
 end
 
