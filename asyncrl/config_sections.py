@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import warnings
 
@@ -570,7 +570,9 @@ class AgentConfig(_Section):
     opsd_teacher_url: str | None = Field(None, pattern=r"^https?://")
     """On-policy self-distillation (``@opsd`` workflows, e.g. ``arithmetic_opsd``): an SGLang-compatible server holding the teacher (a reference model). None: the teacher is the policy itself on the rollout engine, given the privileged context."""
     episode_timeout_seconds: float = Field(600.0, gt=0.0)
-    """Live seconds of one episode on one server; the next call past it ends the episode with termination ``timeout``."""
+    """Live seconds of one episode on one server; the next call past it ends the episode with termination ``timeout``. For ``openai_harness`` also the harness's limit: it is killed past it."""
+    harness_command: list[Annotated[str, Field(min_length=1, max_length=4096)]] | None = Field(None, min_length=1, max_length=64)
+    """Built-in ``openai_harness``: the argv of the agent program run once per episode (e.g. ``["python", "-m", "asyncrl.agents.examples.openai_arithmetic_retry"]``), with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (the episode's session key) and ``ASYNCRL_TASK`` in its environment. Put no secrets on it (argv is visible to every local user). Required by ``openai_harness``, ignored otherwise."""
 
     @field_validator("stepwise_mode", mode="before")
     @classmethod
@@ -583,3 +585,10 @@ class AgentConfig(_Section):
         if v not in STEPWISE_MODES:
             raise ValueError(f"agent.stepwise_mode must be one of {STEPWISE_MODES} (or the deprecated 'per_step'), got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _harness_needs_command(self) -> "AgentConfig":
+        if self.workflow == "openai_harness" and not self.harness_command:
+            raise ValueError("agent.workflow openai_harness needs agent.harness_command: the argv of the agent program "
+                             "to run per episode, e.g. [python, -m, asyncrl.agents.examples.openai_arithmetic_retry]")
+        return self

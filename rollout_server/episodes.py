@@ -306,6 +306,7 @@ class EpisodeRunner:
                              episode_timeout=self.agent.episode_timeout_seconds,
                              ended_at_token_limit=(finish == "length"))
         model.scorer = self._token_logprobs
+        model.temperature = float(w.opts.temperature)
         if self.teacher is not None:
             model.teacher_scorer = self._teacher_logprobs
         env = self.workflow.make_env(task) if self.workflow.make_env is not None else None

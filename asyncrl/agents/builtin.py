@@ -12,6 +12,9 @@
   (``<result>VALUE</result>``, or ``error: ...`` for an expression the calculator refuses), and
   the model continues. The first output without a calculator call is the final answer; reward
   1 when it is correct (``Answer: N``, the single-turn task's reward), else 0.
+* ``openai_harness``: an existing agent program calling an OpenAI-compatible chat API
+  (``agent.harness_command``) runs as the episode, through a session on the rollout worker
+  (:mod:`asyncrl.agents.harness`, :mod:`asyncrl.agents.sessions`).
 
 Answers are checked with :func:`asyncrl.rewards.check_answer` (the single-turn task's
 math-verify reward) in a thread, so a slow check never blocks the worker's event loop.
@@ -26,12 +29,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.agents.harness import openai_harness
 from asyncrl.agents.opsd import opsd
 from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask
 from asyncrl.rewards import check_answer
 
 __all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "arithmetic_opsd", "calculator",
-           "safe_calculate", "CALC_PATTERN", "BUILTIN_WORKFLOWS"]
+           "safe_calculate", "CALC_PATTERN", "BUILTIN_WORKFLOWS", "openai_harness"]
 
 #: A calculator call in the model's output.
 CALC_PATTERN = re.compile(r"<calc>(.{1,200}?)</calc>", re.S)
@@ -161,6 +165,13 @@ async def calculator(task: EpisodeTask, model: EpisodeModel, env: CalculatorEnv)
         await model.observe(f"<result>{result}</result>" if ok else result, role="tool")
 
 
+def _harness_env(agent: Any):
+    from asyncrl.agents.harness import HarnessEnv
+
+    env = HarnessEnv.from_agent(agent)
+    return lambda task: env
+
+
 def _arith_env(agent: Any):
     return lambda task: ArithmeticRetryEnv.for_task(task, agent.turn_discount)
 
@@ -174,4 +185,5 @@ BUILTIN_WORKFLOWS = {
     "arithmetic_retry": (arithmetic_retry, _arith_env),
     "calculator": (calculator, _calc_env),
     "arithmetic_opsd": (arithmetic_opsd, _arith_env),
+    "openai_harness": (openai_harness, _harness_env),
 }

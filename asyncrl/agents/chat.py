@@ -101,6 +101,54 @@ class ChatFormat:
         text = self.observation_text(content, role, prefill, after_ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _open_assistant(self) -> str:
+        """The assistant generation prompt the template appends (ChatML: ``<|im_start|>assistant\n``)."""
+        gen = self.tokenizer.apply_chat_template([{"role": "user", "content": "U"}], tokenize=False,
+                                                 add_generation_prompt=True)
+        plain = self.tokenizer.apply_chat_template([{"role": "user", "content": "U"}], tokenize=False)
+        return gen[len(plain):] if gen.startswith(plain) else ""
+
+    def messages_observation_text(self, messages: Sequence[tuple[str, str]], prefill: str = "",
+                                  after_ids: Sequence[int] = ()) -> str:
+        """The text of several environment messages in a row after the model's output ``after_ids``.
+
+        ``close of the turn + message 1 + ... + message n + open of the assistant turn + prefill``;
+        for one message it equals :meth:`observation_text`.
+
+        Args:
+            messages: ``(role, content)`` pairs, at least one.
+            prefill: text opening the next assistant turn (not trained).
+            after_ids: as in :meth:`observation_text`.
+
+        Raises:
+            ValueError: no message.
+        """
+        if not messages:
+            raise ValueError("an observation needs at least one message")
+        msgs = list(messages)
+        if len(msgs) == 1:
+            return self.observation_text(msgs[0][1], msgs[0][0], prefill, after_ids)
+        open_assistant = self._open_assistant()
+
+        def without_open(text: str) -> str:
+            return text[: len(text) - len(open_assistant)] if open_assistant and text.endswith(open_assistant) else text
+
+        text = without_open(self.observation_text(msgs[0][1], msgs[0][0], "", after_ids))
+        for k, (role, content) in enumerate(msgs[1:], start=1):
+            before, after = self._open(role)
+            text += before + content + (after if k == len(msgs) - 1 else without_open(after))
+        return text + prefill
+
+    def messages_observation_ids(self, messages: Sequence[tuple[str, str]], prefill: str = "",
+                                 after_ids: Sequence[int] = ()) -> list[int]:
+        """:meth:`messages_observation_text` tokenised once (no special tokens added).
+
+        Returns:
+            (O,) token ids.
+        """
+        text = self.messages_observation_text(messages, prefill, after_ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def message_ids(self, content: str, role: str = "system") -> list[int]:
         """One whole ``role`` message as the template renders it, tokenised once (for a hint prefix).
 

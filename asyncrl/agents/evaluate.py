@@ -170,6 +170,7 @@ async def _evaluate(model, tokenizer, problems, cfg, temperature, seed, batch_si
             m = EpisodeModel(task, tokenizer, chat, RecordedHistory([]), calls, max_tokens=agent.max_tokens_per_turn,
                              max_turns=agent.max_turns, tool_timeout=agent.tool_timeout_seconds,
                              episode_timeout=agent.episode_timeout_seconds)
+            m.temperature = float(temperature)
             env = workflow.make_env(task) if workflow.make_env is not None else None
             try:
                 ep = await workflow.run(task, m, env)

@@ -1,0 +1,94 @@
+"""Agent programs for tests/test_agent_sessions.py: plain HTTP clients of an openai_harness session.
+
+Run as ``python tests/agent_harnesses.py MODE`` by the rollout worker, with ``OPENAI_BASE_URL``,
+``OPENAI_API_KEY`` and ``ASYNCRL_TASK`` in the environment. Standard library only (fast to start).
+
+Modes:
+    probe: an unknown key (expects 401), a wrong first prompt (expects 400 prompt_mismatch), then
+        three calls of at most 6 tokens; after the first, two new messages in a row (tool +
+        user); before the third, a history whose first reply was changed (expects 400
+        history_mismatch, then resends it as recorded). Reward = completion tokens / 100; the
+        statuses it saw are metrics.
+    plain: the same three calls without the probes.
+    no_reward: one call, then a message on stderr and exit code 3.
+    sleep: one call, then sleeps (the episode timeout kills it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+BASE = os.environ["OPENAI_BASE_URL"].rstrip("/")
+KEY = os.environ["OPENAI_API_KEY"]
+TASK = json.loads(os.environ["ASYNCRL_TASK"])
+
+
+def call(path: str, body: dict | None, key: str = KEY) -> tuple[int, dict]:
+    req = urllib.request.Request(BASE + path, data=None if body is None else json.dumps(body).encode(),
+                                 method="GET" if body is None else "POST",
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def chat(messages: list[dict], max_tokens: int = 6) -> tuple[int, dict]:
+    return call("/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": max_tokens})
+
+
+def ok(status: int, body: dict) -> dict:
+    if status != 200:
+        sys.stderr.write(f"unexpected {status}: {body}\n")
+        sys.exit(4)
+    return body
+
+
+MODEL = None
+
+
+def main(mode: str) -> int:
+    global MODEL
+    metrics: dict[str, float] = {}
+    MODEL = ok(*call("/models", None))["data"][0]["id"]
+    msgs = list(TASK["messages"])
+    if mode == "probe":
+        metrics["unknown_key"] = call("/models", None, key="not-the-key")[0]
+        st, body = chat(msgs + [{"role": "user", "content": "something else"}])
+        metrics["bad_first"] = st
+        metrics["bad_first_code_ok"] = float(body.get("error", {}).get("code") == "prompt_mismatch")
+    tokens = 0
+    r1 = ok(*chat(msgs))
+    tokens += r1["usage"]["completion_tokens"]
+    msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}]
+    if mode == "no_reward":
+        sys.stderr.write("harness bug: gave up\n")
+        return 3
+    if mode == "sleep":
+        time.sleep(120)
+        return 0
+    msgs += [{"role": "tool", "content": "result one"}, {"role": "user", "content": "go on"}]
+    r2 = ok(*chat(msgs))
+    tokens += r2["usage"]["completion_tokens"]
+    msgs += [{"role": "assistant", "content": r2["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "third"}]
+    if mode == "probe":
+        changed = [dict(m) for m in msgs]
+        changed[len(TASK["messages"])]["content"] += " edited"
+        st, body = chat(changed)
+        metrics["mismatch"] = st
+        metrics["mismatch_code_ok"] = float(body.get("error", {}).get("code") == "history_mismatch")
+    r3 = ok(*chat(msgs))
+    tokens += r3["usage"]["completion_tokens"]
+    ok(*call("/episode/reward", {"reward": tokens / 100.0, "metrics": metrics}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,259 @@
+"""OpenAI-compatible sessions for existing agents (issue 15 item 7): ``openai_harness``.
+
+Real processes and services: an embedded engine server (tiny random model) over HTTP, a real
+redis-server, the real rollout worker running harness programs as subprocesses
+(``tests/agent_harnesses.py``, and the shipped ``openai`` client example) against its session
+app over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.agents import ChatFormat, load_workflow
+from asyncrl.agents.sessions import ChatRequest, RewardRequest, prompt_messages, render_messages_ids
+from asyncrl.config import AgentConfig, AsyncRLConfig
+from asyncrl.rewards import check_answer
+from asyncrl.tasks import render_prompt
+from asyncrl.types import PromptGroup, SampleStatus
+from buffers import BufferSettings, ReplayBuffer
+from rollout_server.client import EngineClient
+from rollout_server.episodes import EpisodeRunner
+from rollout_server.testing import make_random_model, start_embedded_server
+from rollout_server.worker import RolloutWorker, WorkerOptions
+from trainer.episodes import episode_layout
+
+HARNESS = str(Path(__file__).resolve().parent / "agent_harnesses.py")
+
+
+def _settings(**kw) -> BufferSettings:
+    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=64,
+                max_response_len=96, max_staleness=1, lease_seconds=3.0, flush_tokens=2)
+    base.update(kw)
+    return BufferSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from asyncrl.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = start_embedded_server(make_random_model(tiny_model_dir, tmp_path_factory.mktemp("sess") / "m0", seed=21),
+                                "--weight-version", "0")
+    yield srv
+    srv.stop()
+
+
+def _worker(buf, url, tokenizer, command, **agent_kw) -> RolloutWorker:
+    from asyncrl.rewards import RewardScorer
+
+    opts = WorkerOptions("w-sessions", temperature=1.0, max_inflight_requests=4, version_poll_seconds=0.1)
+    w = RolloutWorker(buf, EngineClient(url), RewardScorer("rollout_worker_rewards:length_reward"), tokenizer, opts)
+    agent = AgentConfig(workflow="openai_harness", harness_command=command, **agent_kw)
+    w.episodes = EpisodeRunner(w, load_workflow(agent), agent, seed=3)
+    return w
+
+
+async def _run_until(worker, cond, timeout_seconds=120.0):
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while not await cond():
+            if task.done():
+                task.result()
+                raise AssertionError("the worker stopped before the condition was met")
+            assert time.monotonic() < deadline, f"not met in {timeout_seconds} s: {await worker.buffer.stats()}"
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+    return await task
+
+
+def _ready(buf, n):
+    async def cond():
+        return (await buf.stats())["groups_by_state"].get("ready", 0) >= n
+    return cond
+
+
+def _prompt(tokenizer, text):
+    return render_prompt(tokenizer, text, None)[1]
+
+
+# ---------------------------------------------------------------------------------------------- units
+def test_prompt_messages_round_trip_with_system_and_prefill(tokenizer):
+    """The prompt given to a harness renders back to exactly the episode's prompt ids."""
+    _, ids = render_prompt(tokenizer, "What is 2 + 3?", "Solve it.", "2 + 3 =")
+    msgs = prompt_messages(tokenizer, ids)
+    assert msgs == [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "What is 2 + 3?"},
+                    {"role": "assistant", "content": "2 + 3 ="}]
+    assert render_messages_ids(tokenizer, [(m["role"], m["content"]) for m in msgs[:-1]], msgs[-1]["content"]) == ids
+    assert prompt_messages(tokenizer, _prompt(tokenizer, "hi")) == [{"role": "user", "content": "hi"}]
+    two_turns = tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                               {"role": "user", "content": "c"}], tokenize=False,
+                                              add_generation_prompt=True)
+    with pytest.raises(ValueError, match="cannot give it to a harness"):
+        prompt_messages(tokenizer, list(tokenizer(two_turns, add_special_tokens=False)["input_ids"]))
+
+
+def test_several_new_messages_are_one_observation_with_the_template_delimiters(tokenizer):
+    chat = ChatFormat(tokenizer)
+    eos = tokenizer.eos_token_id
+    text = chat.messages_observation_text([("tool", "r"), ("user", "u")], "5 =", after_ids=[7, eos])
+    assert text == "\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n5 ="
+    assert chat.messages_observation_text([("user", "u")], "p", after_ids=[7]) == \
+        chat.observation_text("u", "user", "p", after_ids=[7])
+
+
+def test_request_schemas_bound_and_refuse_what_cannot_be_honoured():
+    ok = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    assert ok.max_tokens == 3
+    bad = [{"messages": []}, {"messages": [{"role": "user", "content": "x"}], "stream": True},
+           {"messages": [{"role": "user", "content": "x"}], "n": 2},
+           {"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]},
+           {"messages": [{"role": "user", "content": "x"}], "top_p": 0.5},
+           {"messages": [{"role": "user", "content": "x" * 200_001}]},
+           {"messages": [{"role": "User!", "content": "x"}]}]
+    for body in bad:
+        with pytest.raises(ValueError):
+            ChatRequest.model_validate(body)
+    for body in [{"reward": float("nan")}, {"reward": 1.0, "metrics": {"a b": 1.0}}, {"reward": 1.0, "extra": 1},
+                 {"reward": 1.0, "metrics": {f"m{i}": 0.0 for i in range(17)}}]:
+        with pytest.raises(ValueError):
+            RewardRequest.model_validate(body)
+
+
+def test_openai_harness_needs_a_command():
+    with pytest.raises(ValueError, match="harness_command"):
+        AsyncRLConfig.model_validate({"agent": {"workflow": "openai_harness"}})
+
+
+# ---------------------------------------------------------------------------------------------- episodes
+async def test_harness_episode_token_identity_errors_and_reward(redis_url, server, tokenizer):
+    """A harness's three calls are the buffer's episode: the engine's output ids plus the observations
+    tokenised once (two new messages in a row are one observation); its reward and metrics reach the
+    buffer; an unknown key is 401, a different first prompt 400, a changed history 400 and counted."""
+    async with await ReplayBuffer.open(redis_url, "sess1", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2),
+                        PromptGroup("g1", _prompt(tokenizer, "talk"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "probe"])
+        await _run_until(w, _ready(buf, 2))
+        await w.client.close()
+        chat = ChatFormat(tokenizer)
+        differs = 0
+        for gid in ("g0", "g1"):
+            group, samples = await buf.get_group(gid)
+            for s in samples:
+                assert s.status == SampleStatus.SCORED, s.error
+                env, calls = episode_layout(s.segments, len(s.response_ids))
+                assert len(calls) == 3 and len(env) == 2
+                (a0, b0), (a1, b1), (a2, b2) = calls
+                out0, out1 = s.response_ids[a0:b0], s.response_ids[a1:b1]
+                obs0 = s.response_ids[env[0][0]:env[0][1]]
+                obs1 = s.response_ids[env[1][0]:env[1][1]]
+                assert tokenizer.decode(obs0, skip_special_tokens=False).endswith(
+                    "<|im_start|>tool\nresult one<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n")
+                assert obs0 == chat.messages_observation_ids([("tool", "result one"), ("user", "go on")], after_ids=out0)
+                assert obs1 == chat.observation_ids("third", "user", after_ids=out1)
+                assert s.response_ids == out0 + obs0 + out1 + obs1 + s.response_ids[a2:b2]
+                assert all(s.behaviour_logprobs[i] == 0.0 for a, b in env for i in range(a, b))
+                assert s.reward == pytest.approx(sum(b - a for a, b in calls) / 100.0)
+                info = s.info
+                assert info["termination"] == "env_done" and info["turns"] == 3
+                assert info["m_unknown_key"] == 401 and info["m_bad_first"] == 400 and info["m_bad_first_code_ok"] == 1
+                assert info["m_mismatch"] == 400 and info["m_mismatch_code_ok"] == 1
+                assert info["m_sessions_history_mismatch"] == 1 and info["m_harness_calls"] == 3
+                text = tokenizer.decode(group.prompt_ids + s.response_ids, skip_special_tokens=False)
+                differs += list(tokenizer(text, add_special_tokens=False)["input_ids"]) != group.prompt_ids + s.response_ids
+        assert differs > 0, "re-tokenising decoded history would have given the same ids: the test proves nothing"
+
+
+async def test_harness_without_reward_fails_the_episode_with_its_reason(redis_url, server, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "sess2", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "bug"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "no_reward"])
+
+        async def dropped():
+            return "g0" in await buf.dropped_groups()
+        await _run_until(w, dropped)
+        await w.client.close()
+        st = await buf.stats()
+        assert st["counters"]["failed_samples:workflow_error"] == 2
+        s = await buf.get_sample("g0/0")
+        assert "exited with code 3 without posting a reward" in s.error and "harness bug: gave up" in s.error
+
+
+async def test_harness_past_the_episode_timeout_is_killed(redis_url, server, tokenizer):
+    async with await ReplayBuffer.open(redis_url, "sess3", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "slow"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "sleep"], episode_timeout_seconds=3.0)
+        t0 = time.monotonic()
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        assert time.monotonic() - t0 < 60
+        _, samples = await buf.get_group("g0")
+        for s in samples:
+            assert s.info["termination"] == "timeout" and s.reward == 0.0
+
+
+async def test_interrupted_harness_episodes_resume_by_replay(redis_url, server, tokenizer):
+    """M = 4 < a call's 6 tokens: calls are parked mid-way, the harness is killed and re-run, its
+    earlier calls are answered from the record; no model token is generated twice."""
+    async with await ReplayBuffer.open(redis_url, "sess4", _settings(max_budget_tokens=4)) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "plain"])
+        stats = await _run_until(w, _ready(buf, 1), timeout_seconds=180)
+        await w.client.close()
+        _, samples = await buf.get_group("g0")
+        model_tokens = 0
+        for s in samples:
+            env, calls = episode_layout(s.segments, len(s.response_ids))
+            assert len(calls) == 3 and s.info["termination"] == "env_done"
+            model_tokens += sum(b - a for a, b in calls)
+            assert s.reward == pytest.approx(sum(b - a for a, b in calls) / 100.0)
+            assert s.num_resumes >= 1 and s.info["replayed_calls"] >= 1
+        assert stats.generated_tokens == model_tokens
+        assert (await buf.stats())["counters"].get("restarted_samples:nondeterministic", 0) == 0
+
+
+async def test_the_openai_client_example_trains_arithmetic_retry(redis_url, server, tokenizer):
+    """The shipped ``openai`` client program: ``arithmetic_retry``'s loop, its reward in the buffer."""
+    pytest.importorskip("openai", reason="the openai package (a dev dependency) is not installed")
+    system = "Solve the problem. Put the final answer after 'Answer:'."
+    groups = []
+    for i, (a, b) in enumerate([(12, 3), (40, 7)]):
+        meta = {"gold": str(a + b), "expression": f"{a} + {b}", "response_prefix": f"{a} + {b} ="}
+        groups.append(PromptGroup(f"g{i}", render_prompt(tokenizer, f"What is {a} + {b}?", system,
+                                                         meta["response_prefix"])[1], meta, 2))
+    async with await ReplayBuffer.open(redis_url, "sess5", _settings(max_response_len=200)) as buf:
+        await buf.feed(groups, 0)
+        w = _worker(buf, server.url, tokenizer,
+                    [sys.executable, "-m", "asyncrl.agents.examples.openai_arithmetic_retry"],
+                    max_turns=3, max_tokens_per_turn=12)
+        await _run_until(w, _ready(buf, 2), timeout_seconds=240)
+        await w.client.close()
+        chat = ChatFormat(tokenizer)
+        for g in groups:
+            _, samples = await buf.get_group(g.group_id)
+            prefill = g.metadata["response_prefix"]
+            for s in samples:
+                assert s.status == SampleStatus.SCORED, s.error
+                env, calls = episode_layout(s.segments, len(s.response_ids))
+                verdicts = [check_answer(prefill + tokenizer.decode(s.response_ids[a:b], skip_special_tokens=True),
+                                         g.metadata["gold"]).correct for a, b in calls]
+                k = verdicts.index(True) + 1 if True in verdicts else None
+                assert len(calls) == (k or 3) and len(env) == len(calls) - 1
+                for (a, b), (c, d) in zip(calls, env):
+                    assert s.response_ids[c:d] == chat.observation_ids("Wrong answer. Try again.", "user", prefill,
+                                                                      after_ids=s.response_ids[a:b])
+                assert s.reward == pytest.approx(0.8 ** (k - 1) if k else 0.0)
+                assert s.info["m_correct"] == (1.0 if k else 0.0)
