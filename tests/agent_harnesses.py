@@ -4,7 +4,7 @@ Run as ``python tests/agent_harnesses.py MODE`` by the rollout worker, with ``OP
 ``OPENAI_API_KEY`` and ``ASYNCRL_TASK`` in the environment. Standard library only (fast to start).
 
 Modes:
-    probe: an unknown key (expects 401), a wrong first prompt (expects 400 prompt_mismatch), then
+    probe: whether the worker's environment leaked in, an unknown key (expects 401), a wrong first prompt (expects 400 prompt_mismatch), then
         three calls of at most 6 tokens; after the first, two new messages in a row (tool +
         user); before the third, a history whose first reply was changed (expects 400
         history_mismatch, then resends it as recorded). Reward = completion tokens / 100; the
@@ -60,6 +60,7 @@ def main(mode: str) -> int:
     msgs = list(TASK["messages"])
     if mode == "probe":
         metrics["unknown_key"] = call("/models", None, key="not-the-key")[0]
+        metrics["sees_worker_env"] = float("ASYNCRL_TEST_SECRET" in os.environ)
         st, body = chat(msgs + [{"role": "user", "content": "something else"}])
         metrics["bad_first"] = st
         metrics["bad_first_code_ok"] = float(body.get("error", {}).get("code") == "prompt_mismatch")

@@ -138,10 +138,12 @@ def test_openai_harness_needs_a_command():
 
 
 # ---------------------------------------------------------------------------------------------- episodes
-async def test_harness_episode_token_identity_errors_and_reward(redis_url, server, tokenizer):
+async def test_harness_episode_token_identity_errors_and_reward(redis_url, server, tokenizer, monkeypatch):
     """A harness's three calls are the buffer's episode: the engine's output ids plus the observations
     tokenised once (two new messages in a row are one observation); its reward and metrics reach the
-    buffer; an unknown key is 401, a different first prompt 400, a changed history 400 and counted."""
+    buffer; an unknown key is 401, a different first prompt 400, a changed history 400 and counted; the
+    worker's environment (its secrets) does not reach the harness."""
+    monkeypatch.setenv("ASYNCRL_TEST_SECRET", "s3cret")
     async with await ReplayBuffer.open(redis_url, "sess1", _settings()) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2),
                         PromptGroup("g1", _prompt(tokenizer, "talk"), {}, 2)], 0)
@@ -172,12 +174,13 @@ async def test_harness_episode_token_identity_errors_and_reward(redis_url, serve
                 assert info["m_unknown_key"] == 401 and info["m_bad_first"] == 400 and info["m_bad_first_code_ok"] == 1
                 assert info["m_mismatch"] == 400 and info["m_mismatch_code_ok"] == 1
                 assert info["m_sessions_history_mismatch"] == 1 and info["m_harness_calls"] == 3
+                assert info["m_sees_worker_env"] == 0.0
                 text = tokenizer.decode(group.prompt_ids + s.response_ids, skip_special_tokens=False)
                 differs += list(tokenizer(text, add_special_tokens=False)["input_ids"]) != group.prompt_ids + s.response_ids
         assert differs > 0, "re-tokenising decoded history would have given the same ids: the test proves nothing"
 
 
-async def test_harness_without_reward_fails_the_episode_with_its_reason(redis_url, server, tokenizer):
+async def test_harness_without_reward_fails_the_episode_with_its_reason(redis_url, server, tokenizer, caplog):
     async with await ReplayBuffer.open(redis_url, "sess2", _settings()) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "bug"), {}, 2)], 0)
         w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "no_reward"])
@@ -188,8 +191,9 @@ async def test_harness_without_reward_fails_the_episode_with_its_reason(redis_ur
         await w.client.close()
         st = await buf.stats()
         assert st["counters"]["failed_samples:workflow_error"] == 2
-        s = await buf.get_sample("g0/0")
-        assert "exited with code 3 without posting a reward" in s.error and "harness bug: gave up" in s.error
+        reasons = [r.getMessage() for r in caplog.records if "without posting a reward" in r.getMessage()]
+        assert len(reasons) == 2 and all("exited with code 3" in m and "after 1 calls" in m and
+                                         "harness bug: gave up" in m for m in reasons), reasons
 
 
 async def test_harness_past_the_episode_timeout_is_killed(redis_url, server, tokenizer):

@@ -330,7 +330,7 @@ def _validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-_servers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SessionServer]" = weakref.WeakKeyDictionary()
+_servers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task]" = weakref.WeakKeyDictionary()
 
 
 class SessionServer:
@@ -350,12 +350,20 @@ class SessionServer:
     async def shared(cls) -> "SessionServer":
         """The running loop's server, started on first use (a free loopback port)."""
         loop = asyncio.get_running_loop()
-        srv = _servers.get(loop)
-        if srv is None:
+        starting = _servers.get(loop)
+        if starting is None:  # the first episode starts it; concurrent ones wait for the same start
             srv = cls()
-            _servers[loop] = srv
-            await srv.start()
-        return srv
+            starting = _servers[loop] = loop.create_task(srv._started())
+        try:
+            return await asyncio.shield(starting)
+        except Exception:
+            if _servers.get(loop) is starting:
+                del _servers[loop]  # the next episode tries again
+            raise
+
+    async def _started(self) -> "SessionServer":
+        await self.start()
+        return self
 
     @property
     def base_url(self) -> str:
