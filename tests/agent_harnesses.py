@@ -7,7 +7,8 @@ Modes:
     probe: whether the worker's environment leaked in, an unknown key (expects 401), a wrong first prompt (expects 400 prompt_mismatch), then
         three calls of at most 6 tokens; after the first, two new messages in a row (tool +
         user); before the third, a history whose first reply was changed (expects 400
-        history_mismatch, then resends it as recorded). Reward = completion tokens / 100; the
+        history_mismatch, then resends it as recorded); a fourth call (expects 400: max_turns 3);
+        a wrong model, a temperature other than the run's, a 5 MiB body (expect 400, 400, 413). Reward = completion tokens / 100; the
         statuses it saw are metrics.
     plain: the same three calls without the probes.
     no_reward: one call, then a message on stderr and exit code 3.
@@ -61,6 +62,10 @@ def main(mode: str) -> int:
     if mode == "probe":
         metrics["unknown_key"] = call("/models", None, key="not-the-key")[0]
         metrics["sees_worker_env"] = float("ASYNCRL_TEST_SECRET" in os.environ)
+        base = {"messages": msgs, "max_tokens": 6}
+        metrics["bad_model"] = call("/chat/completions", {**base, "model": "gpt-4o"})[0]
+        metrics["bad_temperature"] = call("/chat/completions", {**base, "temperature": 0.3})[0]
+        metrics["too_large"] = call("/chat/completions", {**base, "user": "x" * (5 << 20)})[0]
         st, body = chat(msgs + [{"role": "user", "content": "something else"}])
         metrics["bad_first"] = st
         metrics["bad_first_code_ok"] = float(body.get("error", {}).get("code") == "prompt_mismatch")
@@ -87,6 +92,11 @@ def main(mode: str) -> int:
         metrics["mismatch_code_ok"] = float(body.get("error", {}).get("code") == "history_mismatch")
     r3 = ok(*chat(msgs))
     tokens += r3["usage"]["completion_tokens"]
+    if mode == "probe":  # one call more than agent.max_turns = 3
+        msgs += [{"role": "assistant", "content": r3["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "fourth"}]
+        st, body = chat(msgs)
+        metrics["turn_limit"] = st
     ok(*call("/episode/reward", {"reward": tokens / 100.0, "metrics": metrics}))
     return 0
 

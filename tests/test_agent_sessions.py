@@ -142,12 +142,13 @@ async def test_harness_episode_token_identity_errors_and_reward(redis_url, serve
     """A harness's three calls are the buffer's episode: the engine's output ids plus the observations
     tokenised once (two new messages in a row are one observation); its reward and metrics reach the
     buffer; an unknown key is 401, a different first prompt 400, a changed history 400 and counted; the
-    worker's environment (its secrets) does not reach the harness."""
+    worker's environment (its secrets) does not reach the harness; a call past max_turns, a wrong model or
+    temperature and an oversized body are refused."""
     monkeypatch.setenv("ASYNCRL_TEST_SECRET", "s3cret")
     async with await ReplayBuffer.open(redis_url, "sess1", _settings()) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2),
                         PromptGroup("g1", _prompt(tokenizer, "talk"), {}, 2)], 0)
-        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "probe"])
+        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "probe"], max_turns=3)
         await _run_until(w, _ready(buf, 2))
         await w.client.close()
         chat = ChatFormat(tokenizer)
@@ -170,7 +171,8 @@ async def test_harness_episode_token_identity_errors_and_reward(redis_url, serve
                 assert all(s.behaviour_logprobs[i] == 0.0 for a, b in env for i in range(a, b))
                 assert s.reward == pytest.approx(sum(b - a for a, b in calls) / 100.0)
                 info = s.info
-                assert info["termination"] == "env_done" and info["turns"] == 3
+                assert info["termination"] == "turn_limit" and info["turns"] == 3 and info["m_turn_limit"] == 400
+                assert info["m_bad_model"] == 400 and info["m_bad_temperature"] == 400 and info["m_too_large"] == 413
                 assert info["m_unknown_key"] == 401 and info["m_bad_first"] == 400 and info["m_bad_first_code_ok"] == 1
                 assert info["m_mismatch"] == 400 and info["m_mismatch_code_ok"] == 1
                 assert info["m_sessions_history_mismatch"] == 1 and info["m_harness_calls"] == 3
