@@ -198,6 +198,20 @@ async def test_harness_without_reward_fails_the_episode_with_its_reason(redis_ur
                                          "harness bug: gave up" in m for m in reasons), reasons
 
 
+async def test_a_harness_that_cannot_start_fails_the_episode(redis_url, server, tokenizer, caplog):
+    async with await ReplayBuffer.open(redis_url, "sess6", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "none"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, ["/nonexistent/agent-program"])
+
+        async def dropped():
+            return "g0" in await buf.dropped_groups()
+        await _run_until(w, dropped)
+        await w.client.close()
+        assert (await buf.stats())["counters"]["failed_samples:workflow_error"] == 2
+        assert any("cannot start agent.harness_command '/nonexistent/agent-program'" in r.getMessage()
+                   for r in caplog.records)
+
+
 async def test_harness_past_the_episode_timeout_is_killed(redis_url, server, tokenizer):
     async with await ReplayBuffer.open(redis_url, "sess3", _settings()) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "slow"), {}, 2)], 0)

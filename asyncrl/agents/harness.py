@@ -19,7 +19,7 @@ The workflow returns ``Episode(r, "env_done", metrics)`` (``turn_limit`` when th
 refused a call past ``agent.max_turns``). A harness that exits without posting a reward fails
 the episode (``WorkflowError``, counted as ``failed_samples:workflow_error``, with its exit code
 and the tail of its stderr); one that runs past ``agent.episode_timeout_seconds`` is killed
-(termination ``timeout``). When a model call is interrupted (budget, weight update, drain) the
+(termination ``timeout``); one whose worker dies gets SIGKILL (Linux's parent-death signal). When a model call is interrupted (budget, weight update, drain) the
 harness is killed and the episode parked; on resume the harness runs again from the start and
 its calls are answered from the record (durable execution): this needs a harness that is
 deterministic given ``ASYNCRL_TASK`` and the replies it gets.
@@ -74,6 +74,16 @@ def _served_name(tokenizer: Any) -> str:
     return name or "policy"
 
 
+def _die_with_parent() -> None:
+    """In the harness (before exec): SIGKILL when the rollout worker dies (Linux ``PR_SET_PDEATHSIG``)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the harness outlives a killed worker until its next call fails
+        pass
+
+
 def _kill(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -118,7 +128,8 @@ async def openai_harness(task: EpisodeTask, model: EpisodeModel, env: HarnessEnv
         try:
             proc = await asyncio.create_subprocess_exec(*env.command, env=child_env, stdin=asyncio.subprocess.DEVNULL,
                                                         stdout=asyncio.subprocess.DEVNULL,
-                                                        stderr=asyncio.subprocess.PIPE, start_new_session=True)
+                                                        stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                                                        preexec_fn=_die_with_parent)
         except OSError as exc:
             raise HarnessError(f"cannot start agent.harness_command {env.command[0]!r}: {exc}") from None
         reader = asyncio.create_task(_stderr_tail(proc.stderr, tail))  # type: ignore[arg-type]
