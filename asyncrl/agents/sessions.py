@@ -288,6 +288,9 @@ class Session:
                 if obs_ids:
                     await m.observe_ids(obs_ids)
                 out = await m.generate(limit)
+            except asyncio.CancelledError:  # the app is shutting down mid-call: the episode cannot go on
+                self._fail(RuntimeError("a model call of the session was cancelled (the session app stopped)"))
+                raise
             except BaseException as exc:  # an interrupt, the token limit or timeout, an engine error: the episode ends
                 self._fail(exc)
                 raise SessionError(400 if isinstance(exc, (TokenLimit, EpisodeTimeout)) else 503,
