@@ -5,12 +5,12 @@ Run as ``python tests/agent_harnesses.py MODE`` by the rollout worker, with ``OP
 
 Modes:
     probe: whether the worker's environment leaked in, an unknown key (expects 401), a wrong first prompt (expects 400 prompt_mismatch), then
-        three calls of at most 6 tokens; after the first, two new messages in a row (tool +
-        user); before the third, a history whose first reply was changed (expects 400
-        history_mismatch, then resends it as recorded); a fourth call (expects 400: max_turns 3);
-        a wrong model, a temperature other than the run's, a 5 MiB body (expect 400, 400, 413). Reward = completion tokens / 100; the
+        a wrong model, a temperature other than the run's, a 5 MiB body (expect 400, 400, 413),
+        then two calls of at most 6 tokens with two new messages in a row (tool + user) between
+        them; then the history with the first reply edited plus "third" (a new trajectory),
+        "fourth" on that branch, and "fifth" (expects 400: max_turns 2 per trajectory). Reward = completion tokens / 100; the
         statuses it saw are metrics.
-    plain: the same three calls without the probes.
+    plain: three calls (observations: tool + user, then "third") without the probes.
     no_reward: one call, then a message on stderr and exit code 3.
     sleep: one call, then sleeps (the episode timeout kills it).
 """
@@ -84,19 +84,20 @@ def main(mode: str) -> int:
     tokens += r2["usage"]["completion_tokens"]
     msgs += [{"role": "assistant", "content": r2["choices"][0]["message"]["content"]},
              {"role": "user", "content": "third"}]
-    if mode == "probe":
-        changed = [dict(m) for m in msgs]
-        changed[len(TASK["messages"])]["content"] += " edited"
-        st, body = chat(changed)
-        metrics["mismatch"] = st
-        metrics["mismatch_code_ok"] = float(body.get("error", {}).get("code") == "history_mismatch")
-    r3 = ok(*chat(msgs))
-    tokens += r3["usage"]["completion_tokens"]
-    if mode == "probe":  # one call more than agent.max_turns = 3
+    if mode == "probe":  # edit the first reply: a new trajectory, continued on the edited branch (max_turns 2)
+        msgs[len(TASK["messages"])]["content"] += " edited"
+        r3 = ok(*chat(msgs))
+        tokens += r3["usage"]["completion_tokens"]
         msgs += [{"role": "assistant", "content": r3["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "fourth"}]
-        st, body = chat(msgs)
-        metrics["turn_limit"] = st
+        r4 = ok(*chat(msgs))
+        tokens += r4["usage"]["completion_tokens"]
+        msgs += [{"role": "assistant", "content": r4["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "fifth"}]
+        metrics["turn_limit"] = chat(msgs)[0]
+    else:
+        r3 = ok(*chat(msgs))
+        tokens += r3["usage"]["completion_tokens"]
     ok(*call("/episode/reward", {"reward": tokens / 100.0, "metrics": metrics}))
     return 0
 

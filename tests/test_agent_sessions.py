@@ -138,48 +138,79 @@ def test_openai_harness_needs_a_command():
 
 
 # ---------------------------------------------------------------------------------------------- episodes
+def _by_trajectory(s):
+    """{trajectory: [(start, end, finish_reason)]} of a sample's segments."""
+    out: dict[int, list] = {}
+    for seg in s.segments:
+        out.setdefault(getattr(seg, "trajectory", 0), []).append((seg.start, seg.end, seg.finish_reason))
+    return out
+
+
 async def test_harness_episode_token_identity_errors_and_reward(redis_url, server, tokenizer, monkeypatch):
-    """A harness's three calls are the buffer's episode: the engine's output ids plus the observations
-    tokenised once (two new messages in a row are one observation); its reward and metrics reach the
-    buffer; an unknown key is 401, a different first prompt 400, a changed history 400 and counted; the
-    worker's environment (its secrets) does not reach the harness; a call past max_turns, a wrong model or
+    """A harness's calls are the buffer's episode: the engine's output ids plus the observations
+    tokenised once (two new messages in a row are one observation); a call whose history was edited
+    starts a new trajectory whose prompt is its messages tokenised once, and is counted; the reward and
+    metrics reach the buffer; an unknown key is 401, a different first prompt 400; the worker's
+    environment (its secrets) does not reach the harness; a call past max_turns, a wrong model or
     temperature and an oversized body are refused."""
     monkeypatch.setenv("ASYNCRL_TEST_SECRET", "s3cret")
-    async with await ReplayBuffer.open(redis_url, "sess1", _settings()) as buf:
+    async with await ReplayBuffer.open(redis_url, "sess1", _settings(max_response_len=400)) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2),
                         PromptGroup("g1", _prompt(tokenizer, "talk"), {}, 2)], 0)
-        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "probe"], max_turns=3)
+        w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "probe"], max_turns=2)
         await _run_until(w, _ready(buf, 2))
         await w.client.close()
         chat = ChatFormat(tokenizer)
         differs = 0
-        for gid in ("g0", "g1"):
+        for gid, text in (("g0", "count"), ("g1", "talk")):
             group, samples = await buf.get_group(gid)
             for s in samples:
                 assert s.status == SampleStatus.SCORED, s.error
-                env, calls = episode_layout(s.segments, len(s.response_ids))
-                assert len(calls) == 3 and len(env) == 2
-                (a0, b0), (a1, b1), (a2, b2) = calls
-                out0, out1 = s.response_ids[a0:b0], s.response_ids[a1:b1]
-                obs0 = s.response_ids[env[0][0]:env[0][1]]
-                obs1 = s.response_ids[env[1][0]:env[1][1]]
+                segs = _by_trajectory(s)
+                assert sorted(segs) == [0, 1]
+                ids = s.response_ids
+                # the main trajectory: call, observation (tool + user), call
+                (a0, b0, r0), (c0, d0, o0), (a1, b1, r1) = segs[0]
+                assert (r0, o0, r1) == ("turn", "obs", "turn") and b0 == c0 and d0 == a1
+                out0, obs0, out1 = ids[a0:b0], ids[c0:d0], ids[a1:b1]
                 assert tokenizer.decode(obs0, skip_special_tokens=False).endswith(
                     "<|im_start|>tool\nresult one<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n")
                 assert obs0 == chat.messages_observation_ids([("tool", "result one"), ("user", "go on")], after_ids=out0)
-                assert obs1 == chat.observation_ids("third", "user", after_ids=out1)
-                assert s.response_ids == out0 + obs0 + out1 + obs1 + s.response_ids[a2:b2]
-                assert all(s.behaviour_logprobs[i] == 0.0 for a, b in env for i in range(a, b))
+                # the new trajectory: its prompt is the edited conversation tokenised once, then call, obs, call
+                (p2, q2, k2), (a2, b2, r2), (c2, d2, o2), (a3, b3, r3) = segs[1]
+                assert (k2, r2, o2, r3) == ("ctx", "turn", "obs", "turn")
+                dec = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+                edited = [("user", text), ("assistant", dec(out0) + " edited"), ("tool", "result one"),
+                          ("user", "go on"), ("assistant", dec(out1)), ("user", "third")]
+                assert ids[p2:q2] == render_messages_ids(tokenizer, edited)
+                assert ids[c2:d2] == chat.observation_ids("fourth", "user", after_ids=ids[a2:b2])
+                assert all(s.behaviour_logprobs[i] == 0.0 for a, b in [(c0, d0), (p2, q2), (c2, d2)] for i in range(a, b))
+                calls = [(a0, b0), (a1, b1), (a2, b2), (a3, b3)]
+                assert all(1 <= b - a <= 6 for a, b in calls)
                 assert s.reward == pytest.approx(sum(b - a for a, b in calls) / 100.0)
                 info = s.info
-                assert info["termination"] == "turn_limit" and info["turns"] == 3 and info["m_turn_limit"] == 400
+                assert info["trajectories"] == ["main", "session-1"]
+                assert info["termination"] == "turn_limit" and info["turns"] == 4 and info["m_turn_limit"] == 400
                 assert info["m_bad_model"] == 400 and info["m_bad_temperature"] == 400 and info["m_too_large"] == 413
                 assert info["m_unknown_key"] == 401 and info["m_bad_first"] == 400 and info["m_bad_first_code_ok"] == 1
-                assert info["m_mismatch"] == 400 and info["m_mismatch_code_ok"] == 1
-                assert info["m_sessions_history_mismatch"] == 1 and info["m_harness_calls"] == 3
+                assert info["m_sessions_history_mismatch"] == 1 and info["m_harness_calls"] == 4
                 assert info["m_sees_worker_env"] == 0.0
-                text = tokenizer.decode(group.prompt_ids + s.response_ids, skip_special_tokens=False)
-                differs += list(tokenizer(text, add_special_tokens=False)["input_ids"]) != group.prompt_ids + s.response_ids
+                main = group.prompt_ids + ids[a0:b1]
+                decoded = tokenizer.decode(main, skip_special_tokens=False)
+                differs += list(tokenizer(decoded, add_special_tokens=False)["input_ids"]) != main
         assert differs > 0, "re-tokenising decoded history would have given the same ids: the test proves nothing"
+        # the trainer trains each trajectory as its own sample, grouped across the prompt group's episodes
+        from trainer.batch import TrainGroup, TrainSample
+        from trainer.episodes import expand_trajectories
+
+        group, samples = await buf.get_group("g0")
+        tg = TrainGroup("g0", group.prompt_ids, [TrainSample(
+            sample_id=s.sample_id, group_id="g0", index=i, prompt_ids=group.prompt_ids, response_ids=s.response_ids,
+            behaviour_logprobs=s.behaviour_logprobs, versions=s.versions, finish_reason=s.finish_reason,
+            reward=s.reward, advantages=None, error=None, info=s.info, segments=s.segments)
+            for i, s in enumerate(samples)], group.metadata)
+        out = expand_trajectories([tg])
+        assert [g.group_id for g in out] == ["g0", "g0~session-1"] and all(len(g.samples) == 2 for g in out)
 
 
 async def test_harness_without_reward_fails_the_episode_with_its_reason(redis_url, server, tokenizer, caplog):

@@ -16,7 +16,8 @@ worker's secrets (Redis password, engine API key) never reach a harness.
 The harness's chat calls are the episode's model calls (:class:`asyncrl.agents.sessions.Session`);
 it ends by posting ``{"reward": r, "metrics": {...}}`` to ``/v1/episode/reward`` and exiting.
 The workflow returns ``Episode(r, "env_done", metrics)`` (``turn_limit`` when the harness was
-refused a call past ``agent.max_turns``). A harness that exits without posting a reward fails
+refused a call past ``agent.max_turns``); the reward applies to every trajectory of the episode
+(a history the harness rewrote starts a new one, :mod:`asyncrl.agents.sessions`). A harness that exits without posting a reward fails
 the episode (``WorkflowError``, counted as ``failed_samples:workflow_error``, with its exit code
 and the tail of its stderr); one that runs past ``agent.episode_timeout_seconds`` is killed
 (termination ``timeout``); one whose worker dies gets SIGKILL (Linux's parent-death signal). When a model call is interrupted (budget, weight update, drain) the
@@ -152,7 +153,7 @@ async def openai_harness(task: EpisodeTask, model: EpisodeModel, env: HarnessEnv
             await asyncio.wait_for(asyncio.shield(reader), 2.0)
         stderr = " | ".join(tail) or "(nothing on stderr)"
         raise HarnessError(f"the harness exited with code {proc.returncode} without posting a reward after "
-                           f"{session.calls} calls ({session.history_mismatches} history mismatches); "
+                           f"{session.calls} calls ({session.history_mismatches} new trajectories after a history mismatch); "
                            f"its stderr ends: {stderr[-1500:]}")
     finally:
         server.unregister(key)

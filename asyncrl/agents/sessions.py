@@ -16,8 +16,11 @@ episode, an unknown key is 401. Endpoints (docs/agents.md, "Existing agents"):
   new non-assistant message: the new messages are an observation, tokenised once with the chat
   template's delimiters (:meth:`asyncrl.agents.chat.ChatFormat.messages_observation_ids`) after
   the exact ids of the previous output, never a re-tokenisation of history (rllm PR #272).
-  A call whose history differs from the record is refused (400 ``history_mismatch``) and counted;
-  nothing of it is applied.
+  A call whose history differs from the record (the harness edited, dropped or added an
+  assistant message) starts a new trajectory of the episode (``session-k``, see
+  :meth:`asyncrl.agents.model.EpisodeModel.trajectory`) whose prompt is that call's messages
+  tokenised once; the conversation continues there, and the episode counts it
+  (``sessions_history_mismatch``). Nothing recorded is rewritten.
 * ``POST /v1/episode/reward``: ``{"reward": float, "metrics": {name: float}}``, once; the session
   then takes no more calls.
 * ``GET /v1/models``: the one model served (the policy).
@@ -41,7 +44,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from asyncrl.agents.chat import ChatFormat, ChatFormatError
-from asyncrl.agents.workflow import EpisodeModel, EpisodeTimeout, TokenLimit
+from asyncrl.agents.model import MAX_TRAJECTORIES, EpisodeModel
+from asyncrl.agents.workflow import EpisodeTimeout, TokenLimit
 
 __all__ = ["ChatMessage", "ChatRequest", "RewardRequest", "Session", "SessionError", "SessionServer",
            "prompt_messages", "render_messages_ids", "MAX_BODY_BYTES"]
@@ -197,11 +201,13 @@ class Session:
         failure: the exception a model call raised (an interrupt, the token limit, the episode
             timeout, an engine error); the workflow re-raises it.
         done: set once the reward is posted or a call failed.
-        history_mismatches, calls, turn_limited: counts for the episode's metrics.
+        history_mismatches, calls, turn_limited: counts for the episode's metrics (mismatches =
+            trajectories started because the history sent differed from the record).
     """
 
     def __init__(self, model: EpisodeModel, chat: ChatFormat, model_name: str, temperature: float | None) -> None:
         self.model = model
+        self.current = model  # the trajectory the conversation continues (a new one after a history mismatch)
         self.chat = chat
         self.model_name = model_name
         self.temperature = temperature
@@ -251,8 +257,9 @@ class Session:
             prefill = msgs.pop()[1] if msgs[-1][0] == "assistant" else ""
             if not msgs:
                 raise SessionError(400, "invalid_messages", "the messages hold only an assistant prefill")
-            m = self.model
+            m = self.current
             obs_ids: list[int] = []
+            new_prompt: list[int] | None = None
             try:
                 if self.history is None:
                     ids = render_messages_ids(self.chat.tokenizer, msgs, prefill)
@@ -265,26 +272,29 @@ class Session:
                 else:
                     n = len(self.history)
                     if msgs[:n] != self.history or any(r == "assistant" for r, _ in msgs[n:]):
-                        self.history_mismatches += 1
-                        at = _first_difference(msgs[:n], self.history)
-                        if at == n:  # the history matches; a new message is an assistant message
-                            at = n + next(i for i, (r, _) in enumerate(msgs[n:]) if r == "assistant")
-                        raise SessionError(400, "history_mismatch", (
-                            f"message {at} differs from the episode's recorded conversation of {n} messages "
-                            f"(assistant messages must be the prefill plus the content asyncrl returned, unchanged; "
-                            "new messages may not be assistant messages): resend the history as recorded"))
-                    if len(msgs) == n:
+                        # the harness rewrote the conversation: its messages are a new trajectory's prompt
+                        new_prompt = render_messages_ids(self.chat.tokenizer, msgs, prefill)
+                    elif len(msgs) == n:
                         raise SessionError(400, "no_new_message", "a call must add at least one message after the "
                                                                   "last assistant reply")
-                    last = m.steps[-1].output.token_ids if m.steps else ()
-                    obs_ids = self.chat.messages_observation_ids(msgs[n:], prefill, after_ids=last)
+                    else:
+                        last = m.steps[-1].output.token_ids if m.steps else ()
+                        obs_ids = self.chat.messages_observation_ids(msgs[n:], prefill, after_ids=last)
             except ChatFormatError as exc:
                 raise SessionError(400, "invalid_messages", str(exc)) from None
-            if m.turns_left == 0:
+            if new_prompt is not None and len(self.model.trajectories) >= MAX_TRAJECTORIES:
+                raise SessionError(400, "too_many_trajectories", (
+                    f"the conversation sent differs from the recorded one and the episode already has "
+                    f"{MAX_TRAJECTORIES} trajectories: resend the recorded conversation, or post the reward"))
+            if new_prompt is None and m.turns_left == 0:
                 self.turn_limited = True
-                raise SessionError(400, "turn_limit", f"the episode allows agent.max_turns={m.max_turns} model calls; "
-                                                      "post the reward")
+                raise SessionError(400, "turn_limit", f"the episode allows agent.max_turns={m.max_turns} model calls "
+                                                      "per trajectory; post the reward")
             try:
+                if new_prompt is not None:
+                    m = await self.model.trajectory(f"session-{self.history_mismatches + 1}", prompt_ids=new_prompt)
+                    self.history_mismatches += 1
+                    self.current = m
                 if obs_ids:
                     await m.observe_ids(obs_ids)
                 out = await m.generate(limit)
