@@ -488,6 +488,8 @@ class WeightSyncConfig(_Section):
     """Published versions kept on disk."""
     http_port: int = Field(0, ge=0, le=65535)
     """Port of the trainer's weight file server for ``http`` (0: a free port)."""
+    http_host: str | None = Field(None, min_length=1, max_length=253)
+    """Address the trainer's weight file server binds and puts in the announced uri (None: ``rollout.host``; on Kubernetes the pod IP, never ``0.0.0.0``, which no rollout server can fetch from). Every request must carry ``security.api_key`` as a bearer token when it is set."""
 
 
 class MonitoringConfig(_Section):

@@ -34,6 +34,7 @@ class WorkerOptions:
             rewinds to version 0 without announcing a uri.
         weights_cache_dir: where ``http`` downloads land (default: a temp directory).
         keep_downloads: downloaded versions kept in ``weights_cache_dir``.
+        weights_api_key: bearer token of the trainer's ``http`` weight server (``security.api_key``).
         version_poll_seconds: how often ``clock.latest()`` is polled besides pub/sub.
         claim_poll_seconds: wait between claims when the buffer has no work.
         engine_wait_seconds: how long to wait for a lost engine before :class:`WorkerError`.
@@ -51,6 +52,7 @@ class WorkerOptions:
     base_model_path: str | None = None
     weights_cache_dir: Path | None = None
     keep_downloads: int = 2
+    weights_api_key: Any = field(default=None, repr=False)
     version_poll_seconds: float = 0.5
     claim_poll_seconds: float = 0.05
     engine_wait_seconds: float = 120.0
@@ -78,7 +80,7 @@ class WorkerOptions:
         kw: dict[str, Any] = dict(
             worker_id=worker_id, temperature=r.temperature, max_inflight_requests=r.max_inflight_requests,
             pause_mode=r.pause_mode, transport=cfg.weight_sync.transport, stop=list(r.stop),
-            base_model_path=cfg.model.path,
+            base_model_path=cfg.model.path, weights_api_key=cfg.security.api_key,
         )
         kw.update(overrides)
         return cls(**kw)

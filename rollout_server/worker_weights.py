@@ -140,7 +140,7 @@ class WorkerWeightSync:
                 import tempfile
 
                 cache = self.opts.weights_cache_dir = Path(tempfile.mkdtemp(prefix=f"asyncrl-weights-{self.opts.worker_id}-"))
-            path = await download_weights(uri, ann.checksum, Path(cache))
+            path = await download_weights(uri, ann.checksum, Path(cache), api_key=self.opts.weights_api_key)
             self._prune_downloads(Path(cache), keep=path)
             return str(path)
         if uri.startswith("file://"):

@@ -45,6 +45,8 @@ CHECKPOINT_SAFETY_FACTOR = 10
 CHECKPOINT_SECONDS_BUDGET = MEASURED_CHECKPOINT_SECONDS * CHECKPOINT_SAFETY_FACTOR
 #: Seconds a rollout server needs to park its in-flight samples (abort + Redis writes).
 DRAIN_SECONDS_BUDGET = 60
+#: Keys of the Secret asyncrl-secrets (docs/kubernetes.md, "Secrets").
+SECRET_KEYS = ("redis-password", "api-key", "grafana-admin-password")
 
 
 
@@ -270,7 +272,8 @@ REDIS_USER = {"asyncrl-rollout": "rollout", "asyncrl-trainer": "trainer", "async
 
 def test_references_resolve(rendered):
     """ConfigMaps and PVCs that pods mount exist; the only external object is the Secret the
-    docs tell the user to create (asyncrl-secrets, keys redis-password and api-key)."""
+    docs tell the user to create (asyncrl-secrets, keys redis-password, api-key and
+    grafana-admin-password)."""
     name, objs = rendered
     configmaps = {o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"}
     pvcs = {o["metadata"]["name"] for o in objs if o["kind"] == "PersistentVolumeClaim"}
@@ -282,6 +285,9 @@ def test_references_resolve(rendered):
         vols = {v["name"]: v for v in spec.get("volumes", [])}
         claim_templates = {t["metadata"]["name"] for t in o["spec"].get("volumeClaimTemplates", [])}
         for v in vols.values():
+            if "secret" in v:
+                assert v["secret"]["secretName"] == "asyncrl-secrets"
+                assert {i["key"] for i in v["secret"].get("items", [])} <= set(SECRET_KEYS)
             if "configMap" in v:
                 assert v["configMap"]["name"] in configmaps, f"{name}: missing ConfigMap {v['configMap']['name']}"
             if "persistentVolumeClaim" in v:

@@ -104,3 +104,36 @@ def test_extra_files_are_checksummed_and_names_checked(tmp_path):
         with pytest.raises(PublishError, match="not allowed"):
             write_weights(tmp_path, 2, _sd(2), {}, extra_files={bad: b"x"})
         assert list_versions(tmp_path) == [1] and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+async def test_http_transport_requires_the_bearer_token(tmp_path):
+    """With ``security.api_key`` the weight server answers 401 to a request without the token or
+    with a wrong one (and no file is installed); the rollout server's download sends it."""
+    from pydantic import SecretStr
+
+    src = tmp_path / "trainer"
+    _, checksum = write_weights(src, 3, _sd(3), {})
+    server = WeightFileServer(src, api_key=SecretStr("s3cret-token")).start()
+    try:
+        uri = server.uri_for(3)
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"}):
+                for path in ("/weights/latest", "/weights/v000003/model.safetensors"):
+                    async with s.get(server.url + path, headers=headers) as r:
+                        assert r.status == 401, (headers, path)
+                        assert "s3cret" not in await r.text()
+        with pytest.raises(aiohttp.ClientResponseError, match="401"):
+            await download_weights(uri, checksum, tmp_path / "no-key")
+        with pytest.raises(aiohttp.ClientResponseError, match="401"):
+            await download_weights(uri, checksum, tmp_path / "bad-key", api_key="wrong")
+        assert not list_versions(tmp_path / "no-key") and not list_versions(tmp_path / "bad-key")
+        local = await download_weights(uri, checksum, tmp_path / "worker", api_key=SecretStr("s3cret-token"))
+        verify_weights_dir(local, checksum)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_http_weight_server_refuses_every_interface(tmp_path, host):
+    with pytest.raises(ValueError, match="weight_sync.http_host"):
+        WeightFileServer(tmp_path, host=host)

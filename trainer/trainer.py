@@ -194,7 +194,8 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         if cfg.weight_sync.transport == "http" and self.rank == 0:
             from asyncrl.weights import WeightFileServer
 
-            self.http_server = WeightFileServer(self.weights_dir, cfg.rollout.host, cfg.weight_sync.http_port).start()
+            self.http_server = WeightFileServer(self.weights_dir, cfg.weight_sync.http_host or cfg.rollout.host,
+                                                cfg.weight_sync.http_port, api_key=cfg.security.api_key).start()
         self.nccl_pusher = None
         if cfg.weight_sync.transport == "nccl" and self.rank == 0:
             from asyncrl.secret_values import reveal

@@ -7,16 +7,23 @@ of trainer rank 0) serves ``GET /weights/v000007/<file>`` from the weights direc
 the announced checksum), and installs the directory atomically on local disk, ready for
 ``/update_weights_from_disk``. Nothing received is unpickled: safetensors and JSON only. The
 directory format is :mod:`asyncrl.weights.directory`.
+
+Authentication: with an ``api_key`` (``security.api_key``, the bearer token the rollout servers'
+own endpoints use) every request must carry ``Authorization: Bearer <key>``, compared in
+constant time; anything else gets 401 and no file. The server binds one address
+(``weight_sync.http_host``: on Kubernetes the pod IP), never all interfaces by default.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 from asyncrl.weights.directory import (
     _VERSION_RE,
@@ -40,11 +47,22 @@ class WeightFileServer:
     Routes: ``GET /weights/latest`` -> ``{"version": int|null, "uri": str|null}``;
     ``GET /weights/v000007/<file>`` -> the file (404 for anything not a published file).
     Binds ``host`` (loopback by default); ``port`` 0 picks a free port (see :attr:`url`).
+    With ``api_key`` (a ``str`` or pydantic ``SecretStr``) every route answers 401 unless the
+    request carries ``Authorization: Bearer <api_key>``.
+
+    Raises:
+        ValueError: ``host`` is ``0.0.0.0``/``::`` (the announced uri would not be fetchable, and
+            the server would listen on every interface): bind a concrete address.
     """
 
-    def __init__(self, weights_dir: Path, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, weights_dir: Path, host: str = "127.0.0.1", port: int = 0, api_key: Any = None):
+        if host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"the weight file server must bind one address, not {host!r}: set "
+                             "weight_sync.http_host to this machine's (pod's) IP")
         self.weights_dir = Path(weights_dir)
         self.host, self.port = host, port
+        key = api_key.get_secret_value() if hasattr(api_key, "get_secret_value") else api_key
+        self._expected = f"Bearer {key}".encode() if key else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner = None
@@ -84,9 +102,19 @@ class WeightFileServer:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
+        expected = self._expected
+
+        @web.middleware
+        async def auth(request, handler):
+            if expected is not None:
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    raise web.HTTPUnauthorized(text="missing or wrong bearer token (security.api_key)",
+                                               headers={"WWW-Authenticate": "Bearer"})
+            return await handler(request)
 
         async def start():
-            app = web.Application()
+            app = web.Application(middlewares=[auth])
             app.router.add_get("/weights/latest", self._latest)
             app.router.add_get("/weights/{version}/{name}", self._file)
             self._runner = web.AppRunner(app, access_log=None)
@@ -127,7 +155,8 @@ class WeightFileServer:
             self._thread = None
 
 
-async def download_weights(uri: str, checksum: str, dest_root: Path, *, timeout_seconds: float = 300.0) -> Path:
+async def download_weights(uri: str, checksum: str, dest_root: Path, *, timeout_seconds: float = 300.0,
+                           api_key: Any = None) -> Path:
     """Download a published version over HTTP, verify it, install it atomically under ``dest_root``.
 
     Args:
@@ -135,6 +164,8 @@ async def download_weights(uri: str, checksum: str, dest_root: Path, *, timeout_
         checksum: announced sha256 of ``model.safetensors``.
         dest_root: local directory; the version lands in ``dest_root/v000007`` (reused if already
             present and valid).
+        timeout_seconds: bound on the whole download.
+        api_key: bearer token (``str`` or ``SecretStr``) sent with every request; None: none.
 
     Returns:
         the local version directory (loadable with ``/update_weights_from_disk``).
@@ -160,7 +191,9 @@ async def download_weights(uri: str, checksum: str, dest_root: Path, *, timeout_
     tmp.mkdir()
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_seconds)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        key = api_key.get_secret_value() if hasattr(api_key, "get_secret_value") else api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
             async with session.get(base + SUMS_FILE) as resp:
                 resp.raise_for_status()
                 sums_text = await resp.text()
