@@ -324,6 +324,8 @@ class BufferConfig(_Section):
     """Claimed work of a worker silent for this long is reclaimed by another (XAUTOCLAIM)."""
     batch_lease_seconds: float = Field(600.0, gt=0.0)
     """A train batch handed out and not acknowledged for this long is handed out again."""
+    outage_seconds: float = Field(300.0, ge=1.0, le=86400.0)
+    """How long a role waits out an unreachable Redis (restarting, loading its AOF) with backoff and one WARNING line before it fails, naming what it waited for (asyncrl/outage.py)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,6 +469,8 @@ class TrainerConfig(_Section):
     """Recompute activations in the backward pass."""
     checkpoint_interval: int = Field(10, ge=1)
     """Save a checkpoint (and commit the buffer) every this many steps."""
+    batch_wait_seconds: float = Field(3600.0, ge=1.0, le=604800.0)
+    """Longest wait for one train batch; past it the trainer exits 1 naming the step and the buffer's state, instead of hanging silently (rollout servers dead or stuck)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk."""
     world_size: int = Field(1, ge=1)

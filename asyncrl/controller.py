@@ -70,6 +70,14 @@ __all__ = ["Controller", "ControllerError", "resume_roles", "run_session"]
 
 #: Seconds between two buffer-stats polls (each costs a few Redis round trips per live group).
 STATS_INTERVAL_SECONDS = 2.0
+#: After the controller restarts Redis, role failures within this many seconds are restarted
+#: without counting against their restart limits (they are the outage's, not the role's).
+OUTAGE_EXCUSE_SECONDS = 60.0
+#: Longest wait for the previous session's processes (draining after their controller died) on
+#: ``--resume``: the trainer's stop grace (180 s) plus Redis' own stop.
+PREVIOUS_SESSION_WAIT_SECONDS = 240.0
+#: How long the embedded Redis outlives a dead controller, waiting for the roles to drain.
+REDIS_GUARD_GRACE_SECONDS = 240.0
 
 
 class ControllerError(RuntimeError):
@@ -128,6 +136,9 @@ class Controller:
         self.run_dir = Path(cfg.run.run_dir)
         self.cfg_path = self.run_dir / "config.yaml"
         self.state_path = self.run_dir / "run_state.json"
+        self.pids_file = self.run_dir / "pids.json"
+        self._pids_recorded: dict[str, int] = {}
+        self._stats_down = False
         self.stopping = False
         self.stop_reason = ""
         self.signals = 0
@@ -209,12 +220,32 @@ class Controller:
         if self.cfg.buffer.redis_url:
             self.redis_url = reveal(self.cfg.buffer.redis_url) or ""
             return
-        if self.redis is not None:
-            self.redis.start()  # restart on the same port, files and passwords (children keep their URLs)
-            return
-        self.redis = make_embedded_redis(self.run_dir / "redis", None, self.cfg.security.redis_password,
-                                         run=self.cfg.run.name).start()
+        from asyncrl.process_guard import guarded_command
+
+        if self.redis is None:
+            server = make_embedded_redis(self.run_dir / "redis", None, self.cfg.security.redis_password,
+                                         run=self.cfg.run.name)
+            # Redis outlives a dead controller until the roles have drained (asyncrl.process_guard)
+            inner = server.command_line
+            server.command_line = lambda: guarded_command(inner(), self.pids_file, REDIS_GUARD_GRACE_SECONDS)  # type: ignore[method-assign]
+            self.redis = server
+        self.redis.start()  # a restart: same port, files and passwords (children keep their URLs)
         self.redis_url = self.redis.url
+        self._record_pids()
+
+    def _record_pids(self) -> None:
+        """Write ``pids.json`` (roles and the Redis guardian) when a pid changed: the guardian
+        waits for these roles, and a ``--resume`` waits for them too (asyncrl.process_guard)."""
+        from asyncrl.process_guard import write_pids
+
+        pids: dict[str, int] = {}
+        if self.sup is not None:
+            pids.update({n: pid for n in self.sup.names if (pid := self.sup.pid(n)) is not None})
+        if self.redis is not None and self.redis.proc is not None:
+            pids["redis"] = self.redis.proc.pid
+        if pids != self._pids_recorded:
+            write_pids(self.pids_file, pids)
+            self._pids_recorded = pids
 
     def role_redis_url(self, role: str) -> str:
         """The Redis URL a role's process gets (in its environment): its own ACL user on the
@@ -280,6 +311,8 @@ class Controller:
 
     async def _evaluate(self, buf: Any, sup: Any, assignment: Assignment) -> None:
         """Held-out evaluation of the newest weights with every role paused; logs ``eval/*``."""
+        from asyncrl.process_guard import pdeathsig_preexec
+
         cfg = self.cfg
         weights, version = await self._latest_weights(buf)
         model = self._eval_model_dir(weights) if version > 0 else weights
@@ -296,7 +329,7 @@ class Controller:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                env=dict(os.environ))  # evaluation needs no Redis: it gets no credentials
+                env=dict(os.environ), preexec_fn=pdeathsig_preexec())  # evaluation needs no Redis: no credentials
             done = asyncio.ensure_future(proc.communicate())
             while not done.done():
                 await asyncio.wait([done], timeout=0.5)
@@ -462,7 +495,12 @@ class Controller:
         from asyncrl.redis_server import RedisServerError
         from asyncrl.supervisor import Supervisor
 
+        from asyncrl.process_guard import wait_previous_session
+
         cfg = self.cfg
+        # processes of an earlier session (its controller was killed) still drain: they hold the
+        # rollout ports and the Redis AOF until they exit
+        wait_previous_session(self.pids_file, str(self.run_dir.resolve()), PREVIOUS_SESSION_WAIT_SECONDS)
         try:
             self._start_redis()
         except RedisServerError as exc:
@@ -483,6 +521,7 @@ class Controller:
         self.sup = Supervisor(self.run_dir / "logs")
         for spec in self.role_specs(self.assignment):
             self.sup.start(spec)
+        self._record_pids()
         self.scraper = RolloutScraper(self.rollout_urls)
         self.cpu = CpuShareSampler(self.assignment.eval_threads)  # eval_threads = the run's cores
         self.progress.set_status("training")
@@ -494,17 +533,26 @@ class Controller:
         evaluate every ``monitoring.eval_interval`` steps. Sets :attr:`status`."""
         from redis.exceptions import RedisError
 
+        from asyncrl.redis_server import RedisServerError
+
         cfg, sup, watcher = self.cfg, self.sup, self.watcher
         next_stats = 0.0
         over = False
         while not over and not self.stopping:
-            over = self._handle_exits(sup.poll())
-            self._forward_children()
+            # Redis first: role exits caused by its outage are then excused, not counted as crashes
             if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
-                print(f"asyncrl train: redis-server exited ({self.redis.proc.returncode}); restarting it on "
-                      f"its AOF: {self.redis.log_tail(5)}", file=sys.stderr)
-                self._start_redis()
+                print(f"WARNING asyncrl train: redis-server exited ({self.redis.proc.returncode}); restarting it on "
+                      f"its AOF; roles wait the outage out: {self.redis.log_tail(5)}", file=sys.stderr)
+                sup.excuse_exits(OUTAGE_EXCUSE_SECONDS, "Redis restarted")
+                try:
+                    self._start_redis()
+                except RedisServerError as exc:
+                    raise ControllerError(f"redis-server could not be restarted on its AOF: {exc}") from exc
+                sup.excuse_exits(OUTAGE_EXCUSE_SECONDS, "Redis restarted")
                 self.role_restarts += 1
+            over = self._handle_exits(sup.poll())
+            self._record_pids()
+            self._forward_children()
             wall = self.clock.wall_seconds()
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + STATS_INTERVAL_SECONDS
@@ -514,8 +562,13 @@ class Controller:
                                **self.cpu.sample({name: sup.pid(name) for name in sup.names})})
                     if self.prom is not None:
                         self.prom.update(watcher.last_stats, self.trainer_step, sup.running())
+                    if self._stats_down:
+                        self._stats_down = False
+                        print("asyncrl train: buffer statistics available again", file=sys.stderr)
                 except (OSError, ConnectionError, RedisError) as exc:  # Redis restarting: next poll
-                    print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
+                    if not self._stats_down:  # one line per outage
+                        self._stats_down = True
+                        print(f"asyncrl train: buffer stats unavailable: {exc}", file=sys.stderr)
                 self._write_state("running")
             k = cfg.monitoring.eval_interval
             if self.eval_on and not over and self.trainer_step // k > (self.last_eval_step or 0) // k:

@@ -14,6 +14,10 @@ the cursor still has the value the feeder read. The prompt at cursor ``c`` is
 function of the config, so a restarted feeder (or one started by ``--resume``) continues with
 exactly the next prompt. Group ids are ``p<cursor>``.
 
+A Redis outage (a restart, AOF loading) is waited out with backoff and one WARNING line
+(:mod:`asyncrl.outage`, ``buffer.outage_seconds``), not a crash: it does not use up the
+feeder's restarts.
+
 A prompt too long for ``max_response_len`` in the model's context stops the feeder with an
 error naming the prompt and the fix (the run then stops: nothing is half-fed).
 
@@ -27,6 +31,7 @@ never across an epoch boundary, where the filter runs first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 from typing import Any
@@ -130,16 +135,33 @@ class Feeder:
             end += 1
         return kept, end - c
 
-    async def run(self, stop: asyncio.Event, poll_seconds: float = 0.1) -> None:
-        """Feed until ``stop`` is set."""
+    async def run(self, stop: asyncio.Event, poll_seconds: float = 0.1, guard: Any = None) -> None:
+        """Feed until ``stop`` is set.
+
+        Args:
+            guard: an :class:`asyncrl.outage.OutageGuard`: a Redis outage is waited out (one
+                WARNING line, backoff) instead of crashing the feeder; None: errors propagate.
+
+        Raises:
+            asyncrl.outage.DependencyOutage: Redis unreachable past the guard's deadline.
+        """
+        from asyncrl.outage import DependencyOutage
+
         while not stop.is_set():
-            fed = await self.feed_once()  # groups fed + prompts skipped
+            try:  # fed = groups fed + prompts skipped
+                fed = await (guard.call(self.feed_once, "feeding prompt groups", give_up=stop.is_set)
+                             if guard is not None else self.feed_once())
+            except DependencyOutage:
+                if stop.is_set():
+                    return
+                raise
             if not fed:
                 await wait_event(stop, poll_seconds)  # not wait_for: see asyncrl.aio
 
 
 async def _run(cfg: Any) -> int:
     from asyncrl.models import load_tokenizer, model_context_len
+    from asyncrl.outage import DependencyOutage, OutageGuard
     from asyncrl.tasks import TrainPromptStream
     from buffers import BufferSettings, ReplayBuffer
 
@@ -154,7 +176,16 @@ async def _run(cfg: Any) -> int:
     tokenizer = load_tokenizer(cfg.model.path)
     context = cfg.model.max_context_len or model_context_len(cfg.model.path)
     stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.run.seed)
-    buf = await ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
+    guard = OutageGuard("feeder", cfg.buffer.outage_seconds)
+    try:
+        buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
+                                                         settings=BufferSettings.from_config(cfg)),
+                               "opening the run's buffer", give_up=stop.is_set)
+    except DependencyOutage as exc:
+        if stop.is_set():
+            return 0
+        print(str(exc), file=sys.stderr, flush=True)
+        return 1
     try:
         from asyncrl.prompt_filter import PassRateFilter
 
@@ -162,10 +193,17 @@ async def _run(cfg: Any) -> int:
                                        cfg.data.dataset_max_filter_percentage)
         feeder = Feeder(buf, stream, buf.settings.samples_generated, cfg.rollout.rollout_batch_size,
                         max_prompt_tokens=context - cfg.rollout.max_response_len, prompt_filter=prompt_filter)
-        print(f"asyncrl feeder: feeding run {cfg.run.name!r} from cursor {await buf.dataset_cursor()}", flush=True)
-        await feeder.run(stop)
-        print(f"asyncrl feeder: stopped after feeding {feeder.fed_groups} groups; cursor "
-              f"{await buf.dataset_cursor()}", flush=True)
+        cursor = await guard.call(buf.dataset_cursor, "reading the dataset cursor", give_up=stop.is_set)
+        print(f"asyncrl feeder: feeding run {cfg.run.name!r} from cursor {cursor}", flush=True)
+        await feeder.run(stop, guard=guard)
+        with contextlib.suppress(Exception):  # the last line is informative only
+            print(f"asyncrl feeder: stopped after feeding {feeder.fed_groups} groups; cursor "
+                  f"{await buf.dataset_cursor()}", flush=True)
+    except DependencyOutage as exc:
+        if stop.is_set():
+            return 0
+        print(str(exc), file=sys.stderr, flush=True)
+        return 1
     finally:
         await buf.close()
     return 0

@@ -22,9 +22,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def ports_free(host: str, first: int, n: int) -> bool:
-    """True when ports ``first .. first + n - 1`` can be bound on ``host`` now."""
+    """True when ports ``first .. first + n - 1`` can be bound on ``host`` now by a server.
+
+    Binds with ``SO_REUSEADDR``, as aiohttp's and asyncio's servers do on Unix: connections of
+    an earlier server lingering in TIME_WAIT do not make a port busy for them (without the
+    option, a resumed run found its own previous rollout port "busy" for a minute).
+    """
     for port in range(first, first + n):
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError:

@@ -26,6 +26,8 @@ What the supervisor does:
   whole process group (torchrun ranks, engine subprocesses) so nothing is left behind.
 * **Pause.** :meth:`Supervisor.pause`/:meth:`resume` SIGSTOP/SIGCONT every child's process
   group, so held-out evaluation can use all cores without being counted as training time.
+* **Outages.** :meth:`Supervisor.excuse_exits`: while a dependency (Redis) is restarting, a
+  role that fails is restarted without counting against its ``max_restarts``.
 
 Simplified: health is liveness plus an optional callable; there is no resource accounting
 beyond affinity and thread counts, and no cgroups (a role can still exceed its memory).
@@ -120,8 +122,10 @@ class ChildExit:
         returncode: exit status (negative: killed by that signal, as in ``Popen.returncode``).
         reason: ``exited`` or ``unhealthy`` (health checks failed; the supervisor killed it).
         restarted: True when the supervisor started the role again.
-        restarts: restarts of this role so far (after this event).
+        restarts: restarts of this role so far (after this event), excused ones not counted.
         log_tail: the last lines of the role's log file.
+        excused: why the exit did not count against ``max_restarts`` (a dependency's outage,
+            :meth:`Supervisor.excuse_exits`); empty when it counted.
     """
 
     name: str
@@ -130,6 +134,7 @@ class ChildExit:
     restarted: bool
     restarts: int
     log_tail: str
+    excused: str = ""
 
     @property
     def failed(self) -> bool:
@@ -143,6 +148,8 @@ class ChildExit:
         if self.reason == "unhealthy":
             how = "stopped answering its health check and was killed"
         action = f"restarted (restart {self.restarts})" if self.restarted else "not restarted"
+        if self.restarted and self.excused:
+            action = f"restarted; not counted as a crash ({self.excused})"
         return f"role {self.name!r} {how}; {action}. Last log lines:\n{self.log_tail}"
 
 
@@ -253,6 +260,8 @@ class Supervisor:
         self.base_env = dict(os.environ if base_env is None else base_env)
         self._children: dict[str, _Child] = {}
         self.paused = False
+        self._excuse_until = 0.0
+        self._excuse_reason = ""
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -388,13 +397,16 @@ class Supervisor:
             reason = "unhealthy" if child.killed_unhealthy else "exited"
             child.killed_unhealthy = False
             failed = rc != 0 or reason != "exited"
-            restart = (failed and child.spec.restart and child.restarts < child.spec.max_restarts
-                       and rc not in child.spec.fatal_exit_codes)
+            excused = self._excuse_reason if now < self._excuse_until else ""
+            restartable = failed and child.spec.restart and rc not in child.spec.fatal_exit_codes
+            restart = restartable and (bool(excused) or child.restarts < child.spec.max_restarts)
             if restart:
-                child.restarts += 1
+                if not excused:
+                    child.restarts += 1
                 child.restart_at = now + child.spec.restart_delay_seconds
             else:
                 child.done = True
+                excused = ""
             events.append(
                 ChildExit(
                     name=name,
@@ -403,9 +415,21 @@ class Supervisor:
                     restarted=restart,
                     restarts=child.restarts,
                     log_tail=tail_lines(child.log_path),
+                    excused=excused,
                 )
             )
         return events
+
+    def excuse_exits(self, seconds: float, reason: str) -> None:
+        """For the next ``seconds``, a restartable role's failure is restarted without counting
+        against its ``max_restarts`` (``ChildExit.excused`` says why).
+
+        For a dependency's outage (the controller restarting Redis): roles wait an outage out
+        (:mod:`asyncrl.outage`), but one that fails during it anyway must not use up the restarts
+        meant for its own crashes. Fatal exit codes stay fatal.
+        """
+        self._excuse_until = max(self._excuse_until, time.monotonic() + seconds)
+        self._excuse_reason = reason
 
     def _check_health(self, child: _Child, now: float) -> None:
         spec = child.spec

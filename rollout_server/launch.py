@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.net import free_port
+from asyncrl.process_guard import pdeathsig_preexec
 from rollout_server.client import EngineClient, EngineUnavailable
 from rollout_server.limits import limit_flags
 
@@ -105,8 +106,9 @@ async def launch_servers(cfg: "AsyncRLConfig", model_path: str | None = None, we
             child_env.pop(ENGINE_API_KEY_ENV, None)
             if api_key and build is engine_command:
                 child_env[ENGINE_API_KEY_ENV] = api_key
+            # PR_SET_PDEATHSIG: an engine never outlives the process that launched it (asyncrl.process_guard)
             proc = subprocess.Popen(build(cfg, model_path, port, weight_version), stdout=out, stderr=subprocess.STDOUT,
-                                    env=child_env)
+                                    env=child_env, preexec_fn=pdeathsig_preexec())
             handles.append(ServerHandle(f"http://{r.host}:{port}", proc, log_path))
     try:
         async def ready(h: ServerHandle) -> None:

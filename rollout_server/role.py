@@ -28,13 +28,47 @@ worker stops on an error (the message says why), 2 for a bad command line or con
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
 import sys
 from typing import Any
 
-__all__ = ["run_rollout_server"]
+__all__ = ["ClientDisconnectFilter", "run_rollout_server"]
+
+
+class ClientDisconnectFilter(logging.Filter):
+    """Turns aiohttp's "Error handling request" ERROR + traceback for a client that closed its
+    connection mid-response into one INFO line.
+
+    The rollout worker closes an engine stream when it drops the sample (a Redis outage, a lost
+    lease, a shutdown); the engine's next chunk then fails with ``ConnectionResetError``
+    (aiohttp's ``ClientConnectionResetError``: "Cannot write to closing transport"), which aiohttp
+    logged as an ERROR with a traceback — one per in-flight stream at every Redis restart. Nothing
+    failed on the server: the sample is parked or reclaimed by the buffer. Other errors pass
+    unchanged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.levelno >= logging.ERROR and isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+            message = record.getMessage()
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "%s: the client closed the connection mid-response (%s)", (message, exc)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_client_disconnects(logger_name: str = "aiohttp.server") -> ClientDisconnectFilter:
+    """Install :class:`ClientDisconnectFilter` on ``logger_name`` once; returns it."""
+    logger = logging.getLogger(logger_name)
+    for f in logger.filters:
+        if isinstance(f, ClientDisconnectFilter):
+            return f
+    f = ClientDisconnectFilter()
+    logger.addFilter(f)
+    return f
 
 
 def _print(msg: str) -> None:
@@ -57,6 +91,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     from rollout_server.worker import RolloutWorker, WorkerError, WorkerOptions
 
     r = cfg.rollout
+    quiet_client_disconnects()  # a stream the worker dropped is not a server error
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

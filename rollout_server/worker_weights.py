@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from asyncrl.aio import wait_event
+from asyncrl.outage import outage_errors
 from asyncrl.types import WeightAnnouncement
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -122,8 +123,17 @@ class WorkerWeightSync:
                     await self._update_weights(ann)
             except asyncio.CancelledError:
                 raise
+            except outage_errors() as exc:  # Redis restarting: one line per outage, no traceback
+                if not getattr(self, "_clock_unreachable", False):
+                    self._clock_unreachable = True
+                    log.warning("version clock unreachable (%s: %s); polling on until Redis is back",
+                                type(exc).__name__, exc)
+                continue
             except Exception:
                 log.warning("polling the version clock failed", exc_info=True)
+            if getattr(self, "_clock_unreachable", False):
+                self._clock_unreachable = False
+                log.info("version clock reachable again")
 
     async def _weights_path(self, ann: WeightAnnouncement) -> str:
         """Local directory holding the announced weights (downloading and verifying for ``http``)."""

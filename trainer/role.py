@@ -7,6 +7,11 @@ docs/architecture.md#acknowledgement-and-recovery); with no checkpoint the buffe
 0, version 0. SIGTERM/SIGINT: the current step finishes, a checkpoint is written, exit 0. A batch whose
 rewards are all 0 with ``data.check_verifier_status`` on (a broken verifier) exits 2: the
 controller does not restart it, and the batch stays in the buffer.
+
+Faults: a Redis outage (restart, AOF loading) is waited out by every buffer call of rank 0
+(:mod:`asyncrl.outage`: backoff, one WARNING line, ``buffer.outage_seconds``), so it neither
+crashes the trainer nor redoes its steps; a wait past its deadline (the outage, or no batch
+within ``trainer.batch_wait_seconds``) exits 1 with one line naming what was waited for.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ __all__ = ["run_trainer"]
 
 def run_trainer(cfg: Any, replay: str | None) -> int:
     """Train on batches from the buffer (or replayed from the JSONL file ``replay``); returns the exit code."""
+    from asyncrl.outage import DependencyOutage
     from asyncrl.rewards import VerifierStatusError
     from trainer.loop import install_signal_handlers, train_loop
-    from trainer.sources import BufferBatchSource, FileBatchSource
+    from trainer.sources import BatchWaitTimeout, BufferBatchSource, FileBatchSource
     from trainer.trainer import Trainer
 
     stop = threading.Event()
@@ -39,6 +45,9 @@ def run_trainer(cfg: Any, replay: str | None) -> int:
         if trainer.rank == 0:
             try:
                 source = FileBatchSource(replay) if replay else trainer.run_async(BufferBatchSource.open(cfg, stop))
+            except DependencyOutage as exc:
+                print(str(exc), file=sys.stderr, flush=True)
+                return 1
             except (ValueError, OSError) as exc:
                 print(f"asyncrl trainer: {exc}", file=sys.stderr)
                 return 2
@@ -73,6 +82,9 @@ def run_trainer(cfg: Any, replay: str | None) -> int:
         except VerifierStatusError as exc:  # a broken verifier: restarting would fail the same way
             print(f"asyncrl trainer: step {trainer.step + 1}: {exc}", file=sys.stderr, flush=True)
             return 2
+        except (DependencyOutage, BatchWaitTimeout) as exc:  # a wait past its deadline: fail loudly, no traceback
+            print(str(exc), file=sys.stderr, flush=True)
+            return 1
         if trainer.rank == 0:
             print(f"asyncrl trainer: {result.steps} steps, stopped because {result.reason}; step {trainer.step}", flush=True)
         return 0

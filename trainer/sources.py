@@ -14,7 +14,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ListBatchSource", "FileBatchSource", "BufferBatchSource"]
+__all__ = ["ListBatchSource", "FileBatchSource", "BufferBatchSource", "BatchWaitTimeout"]
+
+
+class BatchWaitTimeout(RuntimeError):
+    """No train batch became READY within ``trainer.batch_wait_seconds`` (the message says which step)."""
 
 
 class ListBatchSource:
@@ -89,35 +93,75 @@ class BufferBatchSource:
     version) of every sample handed to the trainer, the groups trained, and the version clock.
     """
 
-    def __init__(self, buf: Any, stop: threading.Event | None = None, poll_seconds: float = 0.05):
+    def __init__(self, buf: Any, stop: threading.Event | None = None, poll_seconds: float = 0.05,
+                 outage_seconds: float = 300.0, batch_wait_seconds: float = 3600.0):
+        from asyncrl.outage import OutageGuard
+
         self.buf = buf
         self.stop = stop or threading.Event()
         self.poll_seconds = poll_seconds
+        self.batch_wait_seconds = batch_wait_seconds
+        self.guard = OutageGuard("trainer", outage_seconds)
         self._batch_id: str | None = None
         self.buffer_metrics: Any = None
 
     @classmethod
     async def open(cls, cfg: Any, stop: threading.Event | None = None) -> "BufferBatchSource":
-        """Connect to ``cfg.buffer.redis_url`` with the run's settings.
+        """Connect to ``cfg.buffer.redis_url`` with the run's settings (waiting out a Redis that
+        is restarting, up to ``buffer.outage_seconds``).
 
         Raises:
             ValueError: no ``buffer.redis_url`` configured.
+            asyncrl.outage.DependencyOutage: Redis unreachable past the deadline.
         """
         if not cfg.buffer.redis_url:
             raise ValueError("asyncrl trainer needs --buffer.redis_url (or ASYNCRL_TRAINER_BATCHES=file.jsonl to replay batches)")
+        from asyncrl.outage import OutageGuard
         from buffers import BufferSettings, ReplayBuffer
 
-        buf = await ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
-        return cls(buf, stop)
+        guard = OutageGuard("trainer", cfg.buffer.outage_seconds)
+        buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
+                                                         settings=BufferSettings.from_config(cfg)),
+                               "opening the run's buffer")
+        src = cls(buf, stop, outage_seconds=cfg.buffer.outage_seconds, batch_wait_seconds=cfg.trainer.batch_wait_seconds)
+        src.guard = guard
+        return src
 
     async def next_batch(self, step: int) -> Any:
+        """The batch of ``step``, polled until READY; None once ``stop`` is set.
+
+        Raises:
+            BatchWaitTimeout: no batch within ``batch_wait_seconds`` (the message names the step
+                and the buffer's groups by state).
+            asyncrl.outage.DependencyOutage: Redis unreachable past ``buffer.outage_seconds``.
+        """
+        import time
+
+        from asyncrl.outage import DependencyOutage
+
+        deadline = time.monotonic() + self.batch_wait_seconds
         while not self.stop.is_set():
-            batch = await self.buf.next_batch(step)
+            try:
+                batch = await self.guard.call(lambda: self.buf.next_batch(step), f"waiting for the batch of step {step}",
+                                              give_up=self.stop.is_set)
+            except DependencyOutage:
+                if self.stop.is_set():
+                    return None
+                raise
             if batch is not None:
                 if self.buffer_metrics is not None and not batch.redelivered:
                     self._observe(batch)
                 self._batch_id = batch.batch_id
                 return batch
+            if time.monotonic() >= deadline:
+                try:
+                    by_state = (await self.buf.stats()).get("groups_by_state")
+                except Exception as exc:  # noqa: BLE001 - best effort for the message
+                    by_state = f"unavailable ({exc})"
+                raise BatchWaitTimeout(
+                    f"asyncrl trainer: waited {self.batch_wait_seconds:.0f} s (trainer.batch_wait_seconds) for the "
+                    f"batch of step {step} and none became READY; buffer groups by state: {by_state}. Are the "
+                    "rollout servers and the feeder running?")
             await asyncio.sleep(self.poll_seconds)
         return None
 
@@ -131,20 +175,40 @@ class BufferBatchSource:
         m.groups_trained.inc(len(batch.groups))
 
     async def acknowledge(self, step: int) -> None:
+        """Acknowledge the batch of ``step`` (idempotent, so retried through a Redis outage)."""
         if self._batch_id is not None:
-            await self.buf.acknowledge(self._batch_id, step)
+            bid = self._batch_id
+            await self.guard.call(lambda: self.buf.acknowledge(bid, step), f"acknowledging step {step}")
 
     async def commit(self, step: int) -> None:
-        await self.buf.commit(step)
+        """Commit the groups acknowledged up to ``step`` (idempotent; retried through an outage)."""
+        await self.guard.call(lambda: self.buf.commit(step), f"committing step {step}")
 
     async def state_dict(self) -> dict[str, Any]:
-        return {"dataset_cursor": await self.buf.dataset_cursor()}
+        return {"dataset_cursor": await self.guard.call(self.buf.dataset_cursor, "reading the dataset cursor")}
 
     async def announce(self, version: int, uri: str, checksum: str) -> None:
-        await self.buf.clock.publish(version, uri, checksum)
+        """Move the clock to ``version`` (compare-and-set). Retried through a Redis outage: when an
+        attempt whose reply was lost had landed, the retry's conflict is recognised (the clock
+        already announces this version with this checksum) and is not an error."""
+        from buffers.errors import VersionConflict
+
+        attempts = 0
+
+        async def publish() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                await self.buf.clock.publish(version, uri, checksum)
+            except VersionConflict:
+                latest = await self.buf.clock.latest() if attempts > 1 else None
+                if latest is None or latest.version != version or latest.checksum != checksum:
+                    raise
+
+        await self.guard.call(publish, f"announcing policy version {version}")
 
     async def recover(self, step: int, version: int) -> dict[str, Any]:
-        return await self.buf.recover(step, version)
+        return await self.guard.call(lambda: self.buf.recover(step, version), f"rewinding the buffer to step {step}")
 
     async def close(self) -> None:
         await self.buf.close()
