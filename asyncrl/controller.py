@@ -62,6 +62,7 @@ from asyncrl.run_watch import (
     normalize_trainer_record,
     reconcile_groups,
 )
+from asyncrl.supervisor import resume_roles
 
 if TYPE_CHECKING:
     from asyncrl.resources import Assignment
@@ -72,7 +73,7 @@ __all__ = ["Controller", "ControllerError", "resume_roles", "run_session"]
 STATS_INTERVAL_SECONDS = 2.0
 #: After the controller restarts Redis, role failures within this many seconds are restarted
 #: without counting against their restart limits (they are the outage's, not the role's).
-OUTAGE_EXCUSE_SECONDS = 60.0
+OUTAGE_EXCUSE_SECONDS = 30.0
 #: Longest wait for the previous session's processes (draining after their controller died) on
 #: ``--resume``: the trainer's stop grace (180 s) plus Redis' own stop.
 PREVIOUS_SESSION_WAIT_SECONDS = 240.0
@@ -86,34 +87,6 @@ class ControllerError(RuntimeError):
 
 class _ForceStop(BaseException):
     """Second Ctrl-C while stopping: kill everything now."""
-
-
-# ----------------------------------------------------------------------------------------------
-# evaluation pauses
-
-
-def resume_roles(sup: Any, clock: Any, start_monotonic: float) -> float:
-    """End an evaluation pause begun at ``start_monotonic`` (``time.monotonic()``, read before
-    ``sup.pause()``): record it in the run clock, then SIGCONT every role.
-
-    The order matters: the interval is in ``clock.json`` before any role runs again, so a
-    trainer phase that spans the pause subtracts it (:class:`trainer.loop.PhaseTimer`) and
-    every process's training wall clock leaves it out.
-
-    Args:
-        sup: the :class:`asyncrl.supervisor.Supervisor` whose roles were paused, or None (nothing
-            was running, e.g. the evaluation of the base model before training).
-        clock: the run's :class:`asyncrl.tracking.RunClock`.
-        start_monotonic: when the pause began.
-
-    Returns:
-        The pause's length in seconds.
-    """
-    end = time.monotonic()
-    clock.add_pause(end - start_monotonic, start_monotonic, end)
-    if sup is not None:
-        sup.resume()
-    return end - start_monotonic
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,8 +109,10 @@ class Controller:
         self.run_dir = Path(cfg.run.run_dir)
         self.cfg_path = self.run_dir / "config.yaml"
         self.state_path = self.run_dir / "run_state.json"
+        from asyncrl.process_guard import PidRecord
+
         self.pids_file = self.run_dir / "pids.json"
-        self._pids_recorded: dict[str, int] = {}
+        self.pids = PidRecord(self.pids_file)
         self._stats_down = False
         self.stopping = False
         self.stop_reason = ""
@@ -220,32 +195,19 @@ class Controller:
         if self.cfg.buffer.redis_url:
             self.redis_url = reveal(self.cfg.buffer.redis_url) or ""
             return
-        from asyncrl.process_guard import guarded_command
+        from asyncrl.process_guard import guard
 
         if self.redis is None:
-            server = make_embedded_redis(self.run_dir / "redis", None, self.cfg.security.redis_password,
-                                         run=self.cfg.run.name)
             # Redis outlives a dead controller until the roles have drained (asyncrl.process_guard)
-            inner = server.command_line
-            server.command_line = lambda: guarded_command(inner(), self.pids_file, REDIS_GUARD_GRACE_SECONDS)  # type: ignore[method-assign]
-            self.redis = server
+            self.redis = guard(make_embedded_redis(self.run_dir / "redis", None, self.cfg.security.redis_password,
+                                                   run=self.cfg.run.name), self.pids_file, REDIS_GUARD_GRACE_SECONDS)
         self.redis.start()  # a restart: same port, files and passwords (children keep their URLs)
         self.redis_url = self.redis.url
         self._record_pids()
 
     def _record_pids(self) -> None:
-        """Write ``pids.json`` (roles and the Redis guardian) when a pid changed: the guardian
-        waits for these roles, and a ``--resume`` waits for them too (asyncrl.process_guard)."""
-        from asyncrl.process_guard import write_pids
-
-        pids: dict[str, int] = {}
-        if self.sup is not None:
-            pids.update({n: pid for n in self.sup.names if (pid := self.sup.pid(n)) is not None})
-        if self.redis is not None and self.redis.proc is not None:
-            pids["redis"] = self.redis.proc.pid
-        if pids != self._pids_recorded:
-            write_pids(self.pids_file, pids)
-            self._pids_recorded = pids
+        """``pids.json``: the roles and the Redis guardian (asyncrl.process_guard.PidRecord)."""
+        self.pids.update(self.sup, self.redis)
 
     def role_redis_url(self, role: str) -> str:
         """The Redis URL a role's process gets (in its environment): its own ACL user on the

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["alive", "guarded_command", "parent_death_signal", "pdeathsig_preexec", "read_pids",
+__all__ = ["PidRecord", "alive", "guard", "guarded_command", "parent_death_signal", "pdeathsig_preexec", "read_pids",
            "wait_previous_session", "write_pids"]
 
 _PR_SET_PDEATHSIG = 1
@@ -148,6 +148,35 @@ def guarded_command(cmd: list[str], pids_file: Path, grace_seconds: float, ignor
     recorded in ``pids_file`` (all but ``ignore``) have exited, at most ``grace_seconds``."""
     return [sys.executable, "-m", "asyncrl.process_guard", "--pids-file", str(pids_file),
             "--grace", str(float(grace_seconds)), "--ignore", ignore, "--", *cmd]
+
+
+def guard(server, pids_file: Path, grace_seconds: float):
+    """Wrap a :class:`asyncrl.redis_server.RedisServer`'s command line in the guardian
+    (:func:`guarded_command`) before it starts; returns the server."""
+    inner = server.command_line
+    server.command_line = lambda: guarded_command(inner(), pids_file, grace_seconds)
+    return server
+
+
+class PidRecord:
+    """``pids.json`` of a run: ``{role: pid}`` of the supervisor's roles plus ``redis`` (the
+    guardian), rewritten when a pid changes. The guardian waits for these roles; a ``--resume``
+    waits for all of them (:func:`wait_previous_session`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.last: dict[str, int] = {}
+
+    def update(self, sup, redis) -> None:
+        """Record the current pids of ``sup``'s roles and of ``redis.proc`` (either may be None)."""
+        pids: dict[str, int] = {}
+        if sup is not None:
+            pids.update({n: pid for n in sup.names if (pid := sup.pid(n)) is not None})
+        if redis is not None and redis.proc is not None:
+            pids["redis"] = redis.proc.pid
+        if pids != self.last:
+            write_pids(self.path, pids)
+            self.last = pids
 
 
 def main(argv: list[str]) -> int:

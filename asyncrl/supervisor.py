@@ -53,6 +53,7 @@ __all__ = [
     "Supervisor",
     "SupervisorError",
     "http_health_check",
+    "resume_roles",
     "role_command",
     "split_cores",
     "tail_lines",
@@ -397,7 +398,8 @@ class Supervisor:
             reason = "unhealthy" if child.killed_unhealthy else "exited"
             child.killed_unhealthy = False
             failed = rc != 0 or reason != "exited"
-            excused = self._excuse_reason if now < self._excuse_until else ""
+            # an outage makes a role exit with an error status; a signal (SIGKILL, OOM) or a hang is its own
+            excused = self._excuse_reason if now < self._excuse_until and rc > 0 and reason == "exited" else ""
             restartable = failed and child.spec.restart and rc not in child.spec.fatal_exit_codes
             restart = restartable and (bool(excused) or child.restarts < child.spec.max_restarts)
             if restart:
@@ -426,7 +428,8 @@ class Supervisor:
 
         For a dependency's outage (the controller restarting Redis): roles wait an outage out
         (:mod:`asyncrl.outage`), but one that fails during it anyway must not use up the restarts
-        meant for its own crashes. Fatal exit codes stay fatal.
+        meant for its own crashes. Only an exit with an error status is excused: a death by a
+        signal (SIGKILL, the OOM killer) or a hang is the role's own. Fatal exit codes stay fatal.
         """
         self._excuse_until = max(self._excuse_until, time.monotonic() + seconds)
         self._excuse_reason = reason
@@ -558,6 +561,30 @@ class Supervisor:
 
     def __exit__(self, *exc: object) -> None:
         self.kill_all()
+
+
+def resume_roles(sup: Any, clock: Any, start_monotonic: float) -> float:
+    """End an evaluation pause begun at ``start_monotonic`` (``time.monotonic()``, read before
+    ``sup.pause()``): record it in the run clock, then SIGCONT every role.
+
+    The order matters: the interval is in ``clock.json`` before any role runs again, so a
+    trainer phase that spans the pause subtracts it (:class:`trainer.loop.PhaseTimer`) and
+    every process's training wall clock leaves it out.
+
+    Args:
+        sup: the :class:`asyncrl.supervisor.Supervisor` whose roles were paused, or None (nothing
+            was running, e.g. the evaluation of the base model before training).
+        clock: the run's :class:`asyncrl.tracking.RunClock`.
+        start_monotonic: when the pause began.
+
+    Returns:
+        The pause's length in seconds.
+    """
+    end = time.monotonic()
+    clock.add_pause(end - start_monotonic, start_monotonic, end)
+    if sup is not None:
+        sup.resume()
+    return end - start_monotonic
 
 
 def role_command(role: str, *args: str) -> list[str]:

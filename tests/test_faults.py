@@ -206,6 +206,22 @@ def test_failures_during_a_redis_restart_do_not_use_up_restarts(tmp_path):
         assert not counted[1].excused
 
 
+def test_a_signal_death_during_an_outage_still_counts(tmp_path):
+    """A SIGKILLed (or OOM-killed) role crashed on its own, outage or not."""
+    from asyncrl.supervisor import RoleSpec, Supervisor
+
+    with Supervisor(tmp_path / "logs") as sup:
+        sup.start(RoleSpec("killed", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                           restart=True, max_restarts=3, restart_delay_seconds=0.05))
+        sup.excuse_exits(30, "Redis restarted")
+        deadline = time.monotonic() + 20
+        events = []
+        while not events and time.monotonic() < deadline:
+            events = sup.poll()
+            time.sleep(0.05)
+        assert events[0].restarted and not events[0].excused and sup.restarts("killed") == 1
+
+
 def test_a_fatal_exit_stays_fatal_during_an_outage(tmp_path):
     from asyncrl.supervisor import RoleSpec, Supervisor
 
