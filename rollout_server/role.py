@@ -19,6 +19,10 @@ Two modes, chosen by the config:
 At start it checks that ``rollout.max_response_len`` fits the model's context
 (:func:`asyncrl.models.check_context`; the feeder rejects prompts that do not leave room).
 
+A Redis that is down or restarting when the server starts is waited for (``buffer.outage_seconds``,
+one WARNING line; :mod:`asyncrl.outage`); the worker itself retries its claims through an outage.
+A stream the worker drops is logged as one INFO line (:class:`ClientDisconnectFilter`).
+
 SIGTERM / SIGINT (explicit handlers, so it works as PID 1 in a container) drain: stop
 claiming, abort this worker's engine requests, park every in-flight sample as PARTIAL with all
 its tokens, print ``parked N in-flight samples``, stop the engine, exit 0. Exit 1 when the
@@ -143,7 +147,21 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
         metrics_list = [server.rollout_metrics]
         _print(f"embedded engine serving {model_path} on {urls[0]}")
 
-    buf = await ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
+    from asyncrl.outage import DependencyOutage, OutageGuard
+
+    guard = OutageGuard(f"rollout-server {server_index if server_index is not None else ''}".strip(),
+                        cfg.buffer.outage_seconds)
+    try:  # Redis restarting when this server starts: wait it out, not a crash
+        buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
+                                                         settings=BufferSettings.from_config(cfg)),
+                               "opening the run's buffer", give_up=stop.is_set)
+    except DependencyOutage as exc:
+        if runner is not None:
+            await runner.cleanup()
+        if stop.is_set():
+            return 0
+        print(str(exc), file=sys.stderr, flush=True)
+        return 1
     clients = [EngineClient(u, api_key=api_key) for u in urls]
     workers = []
     code = 0

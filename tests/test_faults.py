@@ -403,3 +403,43 @@ def test_resume_waits_for_the_previous_sessions_processes(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_rollout_server_started_while_redis_is_down_waits_for_it(tmp_path, tiny_model_dir):
+    """Before: ``asyncrl rollout-server`` exited 1 (ConnectionError) when Redis was restarting as it
+    started, and its supervisor counted a crash."""
+    import yaml
+
+    from asyncrl.net import free_port
+
+    port = free_port()
+    password = "p" * 16
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    config = tmp_path / "rollout.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": "late-redis", "output_dir": str(tmp_path / "runs")}, "model": {"path": str(tiny_model_dir)},
+        "rollout": {"base_port": 0, "n_samples_per_prompt": 2, "rollout_batch_size": 2, "max_budget": 32,
+                    "max_response_len": 32, "max_inflight_requests": 2, "engine_threads": 1},
+        "buffer": {"redis_url": url, "outage_seconds": 120}}))
+    log = tmp_path / "server.log"
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "rollout-server", "--config", str(config)],
+                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = None
+    try:
+        _wait(lambda: "Redis unreachable while opening the run's buffer" in log.read_text() or proc.poll() is not None,
+              180, "the rollout server waiting for Redis")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        server = RedisServer(tmp_path / "redis", port=port, password=password).start()
+        _wait(lambda: "requests in flight" in log.read_text() or proc.poll() is not None, 60, "the worker starting")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        text = log.read_text()
+        assert text.count("WARNING asyncrl rollout-server") == 1 and "Redis is back after" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            server.kill()
