@@ -519,6 +519,8 @@ class MonitoringConfig(_Section):
     """Held-out problems per periodic evaluation."""
     eval_modes: list[Literal["greedy", "sampled"]] = Field(["greedy", "sampled"], min_length=1)
     """Decoding modes of the periodic evaluation: ``greedy`` and/or ``sampled`` (temperature 1.0)."""
+    eval_timeout_seconds: float = Field(3600.0, ge=1.0, le=86400.0)
+    """Longest held-out evaluation; past it the evaluation is killed, reported as failed with one line, and training goes on (roles resume)."""
 
 
 class SecurityConfig(_Section):

@@ -285,6 +285,7 @@ class Controller:
             sup.pause()
         out_dir = self.run_dir / "eval"
         out_dir.mkdir(exist_ok=True)
+        timed_out = False
         cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(self.cfg_path), "--model", model,
                "--num_problems", str(cfg.monitoring.eval_num_problems), "--json",
                "--threads", str(assignment.eval_threads), "--modes", ",".join(cfg.monitoring.eval_modes)]
@@ -293,10 +294,15 @@ class Controller:
                 *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
                 env=dict(os.environ), preexec_fn=pdeathsig_preexec())  # evaluation needs no Redis: no credentials
             done = asyncio.ensure_future(proc.communicate())
+            deadline = time.monotonic() + cfg.monitoring.eval_timeout_seconds  # never a silent hang
             while not done.done():
                 await asyncio.wait([done], timeout=0.5)
                 if self.stopping and proc.returncode is None:
                     proc.terminate()  # Ctrl-C/SIGTERM: do not make the user wait for the evaluation
+                if time.monotonic() > deadline and proc.returncode is None and not timed_out:
+                    timed_out = True
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the whole group
             stdout, stderr = done.result()
         finally:
             seconds = resume_roles(sup, self.clock, start)  # evaluation time is never training time
@@ -307,7 +313,11 @@ class Controller:
         self.last_eval_step = self.trainer_step
         metrics: dict[str, float] = {"time/eval_seconds": self.eval_before + self.eval_seconds_total,
                                      "eval/eval_seconds": seconds, "eval/policy_version": version}
-        if proc.returncode != 0 and self.stopping:
+        if timed_out:
+            print(f"asyncrl train: held-out evaluation did not finish within {cfg.monitoring.eval_timeout_seconds:.0f} s "
+                  "(monitoring.eval_timeout_seconds): killed; training goes on", file=sys.stderr)
+            metrics["eval/failed"] = 1
+        elif proc.returncode != 0 and self.stopping:
             print("asyncrl train: held-out evaluation interrupted", file=sys.stderr)
             metrics["eval/failed"] = 1
         elif proc.returncode != 0:

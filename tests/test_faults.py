@@ -443,3 +443,20 @@ def test_a_rollout_server_started_while_redis_is_down_waits_for_it(tmp_path, tin
             proc.wait()
         if server is not None:
             server.kill()
+
+
+def test_a_held_out_evaluation_past_its_deadline_is_killed_and_training_goes_on(tmp_path, tiny_model_dir, capsys):
+    """Before: the controller waited for ``asyncrl eval`` without a bound, every role paused."""
+    from asyncrl.resources import assign_resources
+    from asyncrl.tracking import read_metrics
+    from tests.test_controller_eval import _controller
+
+    ctl = _controller(tmp_path, tiny_model_dir)
+    ctl.cfg.monitoring.eval_timeout_seconds = 1.0
+    t0 = time.monotonic()
+    asyncio.run(ctl._evaluate(None, None, assign_resources(ctl.cfg)))
+    ctl.logger.close()
+    assert time.monotonic() - t0 < 15
+    assert "did not finish within 1 s (monitoring.eval_timeout_seconds): killed" in capsys.readouterr().err
+    [rec] = [r for r in read_metrics(ctl.run_dir) if "eval/eval_seconds" in r]
+    assert rec["eval/failed"] == 1
