@@ -64,7 +64,7 @@ def test_every_pod_runs_unprivileged(rendered):
 
 #: Paths each image's process writes (with a read-only root filesystem these must be volumes).
 WRITES = {
-    "asyncrl": ["/tmp", "/home/asyncrl/.cache", "/shared"],
+    "asyncrl": ["/tmp", "/home/asyncrl/.cache"],
     "redis": ["/data"],
     "prometheus": ["/prometheus"],
     "grafana": ["/var/lib/grafana", "/tmp"],
@@ -181,6 +181,15 @@ def test_network_policies(overlay):
         assert _ingress_allowed(objs, src, _role("rollout"), 30000), src
     for src in (STRANGER, GRAFANA, _role("redis")):
         assert not _ingress_allowed(objs, src, _role("rollout"), 30000), src
+    # the reward model: its clients (rollout workers, the controller's evaluation) and Prometheus
+    for src in (_role("rollout"), _role("controller"), PROMETHEUS):
+        assert _ingress_allowed(objs, src, _role("reward-model"), 30500), src
+    for src in (STRANGER, _role("trainer"), _role("redis")):
+        assert not _ingress_allowed(objs, src, _role("reward-model"), 30500), src
+    # the trainer, controller and rollout servers write the shared volume
+    for kind, n in (("StatefulSet", "asyncrl-rollout"), ("Job", "asyncrl-trainer"), ("Job", "asyncrl-controller")):
+        (c,) = _by(objs, kind, n)["spec"]["template"]["spec"]["containers"]
+        assert any(m["mountPath"] == "/shared" and not m.get("readOnly") for m in c["volumeMounts"]), n
 
 
 def test_monitoring_network_policies():
