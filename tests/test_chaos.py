@@ -162,6 +162,11 @@ def test_seeded_chaos_run_completes_and_reconciles(tmp_path, tiny_model_dir):
                 assert proc.poll() is None, f"session ended early:\n{logs[-1].read_text()[-3000:]}"
                 assert time.monotonic() < deadline, f"no step {step}: {logs[-1].read_text()[-3000:]}"
                 time.sleep(0.2)
+            while not (run_dir / "pids.json").exists() or (run_dir / "pids.json").stat().st_mtime < started:
+                # a resumed session is still waiting for the previous one: kill it once it runs its roles
+                assert proc.poll() is None, f"session ended early:\n{logs[-1].read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"session {len(logs)} did not start its roles"
+                time.sleep(0.2)
             time.sleep(delay)
             if target == "controller":
                 os.kill(proc.pid, signal.SIGKILL)
@@ -174,9 +179,8 @@ def test_seeded_chaos_run_completes_and_reconciles(tmp_path, tiny_model_dir):
             while pid is None:  # a resumed session records its own pids once it has started its roles
                 assert proc.poll() is None, f"session ended early:\n{logs[-1].read_text()[-3000:]}"
                 assert time.monotonic() < deadline, f"no live {target}: {read_pids(run_dir / 'pids.json')}"
-                if (run_dir / "pids.json").stat().st_mtime >= started:
-                    pid = _redis_pid(run_dir) if target == "redis" else read_pids(run_dir / "pids.json").get(target)
-                    pid = pid if pid is not None and alive(pid) else None
+                pid = _redis_pid(run_dir) if target == "redis" else read_pids(run_dir / "pids.json").get(target)
+                pid = pid if pid is not None and alive(pid) else None
                 if pid is None:
                     time.sleep(0.2)
             os.kill(pid, signal.SIGKILL)
