@@ -45,8 +45,6 @@ CHECKPOINT_SAFETY_FACTOR = 10
 CHECKPOINT_SECONDS_BUDGET = MEASURED_CHECKPOINT_SECONDS * CHECKPOINT_SAFETY_FACTOR
 #: Seconds a rollout server needs to park its in-flight samples (abort + Redis writes).
 DRAIN_SECONDS_BUDGET = 60
-#: Keys of the Secret asyncrl-secrets (docs/kubernetes.md, "Secrets").
-SECRET_KEYS = ("redis-password", "api-key", "grafana-admin-password")
 
 
 
@@ -264,16 +262,16 @@ def test_services_select_existing_pods_and_ports(rendered):
 
 
 #: Keys of the Secret asyncrl-secrets (docs/kubernetes.md, docs/security.md): the API key, the Redis
-#: admin password and one password per role's Redis user.
-SECRET_KEYS = ("api-key", "redis-password", *(f"redis-{r}-password" for r in ("controller", "feeder", "rollout", "trainer")))
+#: admin password, Grafana's admin password and one password per role's Redis user.
+SECRET_KEYS = ("api-key", "redis-password", "grafana-admin-password",
+               *(f"redis-{r}-password" for r in ("controller", "feeder", "rollout", "trainer")))
 #: The Redis user of each pod.
 REDIS_USER = {"asyncrl-rollout": "rollout", "asyncrl-trainer": "trainer", "asyncrl-controller": "controller"}
 
 
 def test_references_resolve(rendered):
     """ConfigMaps and PVCs that pods mount exist; the only external object is the Secret the
-    docs tell the user to create (asyncrl-secrets, keys redis-password, api-key and
-    grafana-admin-password)."""
+    docs tell the user to create (asyncrl-secrets, keys SECRET_KEYS)."""
     name, objs = rendered
     configmaps = {o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"}
     pvcs = {o["metadata"]["name"] for o in objs if o["kind"] == "PersistentVolumeClaim"}
