@@ -465,3 +465,19 @@ async def test_two_trajectories_recorded_replayed_and_trained_apart(budget, redi
         for p, s in zip(solvers, samples):
             assert p.prompt_ids == group.prompt_ids and p.reward == 0.5
             assert len(p.response_ids) == sum(seg.end - seg.start for seg in s.segments if seg.trajectory == 0)
+
+
+def test_calculator_tool_and_call_format():
+    from asyncrl.agents.builtin import CalculatorEnv, safe_calculate
+
+    assert safe_calculate("23 * 47") == 1081 and safe_calculate("(2 + 3) * -4 // 3") == -7
+    for bad, msg in [("__import__('os')", "only integers"), ("2 ** 100", "only integers"), ("1 // 0", "division"),
+                     ("1" * 31, "too large"), ("x" * 201, "longer")]:
+        with pytest.raises(ValueError, match=msg):
+            safe_calculate(bad)
+    env = CalculatorEnv("1081", "<calc>")
+    assert env.calculator_call(" 23 * 47</calc>", first=True) == "23 * 47"  # the prefill opened the call
+    assert env.calculator_call("23*47 = 1081", first=True) == "23*47"       # closing tag optional
+    assert env.calculator_call("23*47 = 1081") is None                       # later calls need their own tag
+    assert env.calculator_call("so <calc>100 / 7</calc>") == "100 // 7"     # integer division
+    assert env.calculator_call("Answer: 1081") is None

@@ -8,7 +8,7 @@
   (:mod:`asyncrl.agents.opsd`): the teacher is the policy told the gold answer; the reward
   (correctness) is logged, the advantages are the teacher-minus-student log-ratios.
 * ``calculator``: harder arithmetic where the model may call a calculator by writing
-  ``<calc>EXPRESSION</calc>``; the result comes back as a ``tool`` message
+  ``<calc>EXPRESSION</calc>`` (the closing tag is optional; ``/`` is integer division); the result comes back as a ``tool`` message
   (``<result>VALUE</result>``, or ``error: ...`` for an expression the calculator refuses), and
   the model continues. The first output without a calculator call is the final answer; reward
   1 when it is correct (``Answer: N``, the single-turn task's reward), else 0.
@@ -37,8 +37,9 @@ from asyncrl.rewards import check_answer
 __all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "arithmetic_opsd", "calculator",
            "safe_calculate", "CALC_PATTERN", "BUILTIN_WORKFLOWS", "openai_harness"]
 
-#: A calculator call in the model's output.
-CALC_PATTERN = re.compile(r"<calc>(.{1,200}?)</calc>", re.S)
+#: A calculator call in the model's output: ``<calc>`` then an integer expression (digits, spaces,
+#: ``+ - * / % ( )``); the closing ``</calc>`` is optional (the 135M model rarely writes it).
+CALC_PATTERN = re.compile(r"<calc>\s*([0-9][0-9+\-*/%() ]{0,198})")
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -141,21 +142,21 @@ class CalculatorEnv:
     def for_task(cls, task: EpisodeTask) -> "CalculatorEnv":
         return cls(str(task.metadata.get("gold", "")), str(task.metadata.get("response_prefix") or ""))
 
-    @staticmethod
-    def calculator_call(output_text: str) -> str | None:
-        """The expression of the first ``<calc>...</calc>`` in the output, or None."""
-        m = CALC_PATTERN.search(output_text)
-        return m.group(1) if m else None
+    def calculator_call(self, output_text: str, first: bool = False) -> str | None:
+        """The expression of the first calculator call of an output (of ``prefill + output`` for
+        the episode's first call, which the task's prefill opens), or None."""
+        m = CALC_PATTERN.search((self.prefill if first else "") + output_text)
+        return m.group(1).strip().replace("/", "//").replace("////", "//") if m else None
 
     async def is_correct(self, output_text: str) -> bool:
-        return await _correct(self.prefill + output_text, self.gold)
+        return await _correct(output_text, self.gold)
 
 
 async def calculator(task: EpisodeTask, model: EpisodeModel, env: CalculatorEnv) -> Episode:
     """Solve with an optional calculator tool (module docstring)."""
     while True:
         out = await model.generate()
-        expr = env.calculator_call(out.text)
+        expr = env.calculator_call(out.text, first=model.turns == 1)
         if expr is None:
             ok = await env.is_correct(out.text)
             return Episode(1.0 if ok else 0.0, "env_done", {"correct": float(ok)})
