@@ -149,6 +149,8 @@ class RolloutWorker(WorkerWeightSync):
         self._resync = False
         self._engine_lost = False
         self._fatal: BaseException | None = None
+        self._in_outage = False  # a Redis outage is in progress (one WARNING line per outage)
+        self._outage_samples = 0  # in-flight samples it interrupted
         self._retry_after = 0.0
         self._rid_counter = 0
         self._engine_failures: dict[str, int] = {}
@@ -235,9 +237,10 @@ class RolloutWorker(WorkerWeightSync):
                 try:
                     items = await self.buffer.claim(self.opts.worker_id, free)
                 except (RedisConnectionError, RedisTimeoutError) as exc:
-                    log.warning("claim failed, redis unreachable (%s); retrying in 1 s", exc)
+                    self._note_outage(f"claim failed ({exc}); retrying every second")
                     await _wait_any(asyncio.sleep(1.0), stop_wait, timeout=1.0)
                     continue
+                self._note_recovery()
                 if not items:
                     self._set_idle(not self._active)
                     self._slot_free.clear()
@@ -248,6 +251,23 @@ class RolloutWorker(WorkerWeightSync):
                     self._start(item)
         finally:
             stop_wait.cancel()
+
+    def _note_outage(self, what: str) -> None:
+        """One WARNING line per Redis outage (the first symptom); the rest are counted, at DEBUG."""
+        if not self._in_outage:
+            self._in_outage = True
+            log.warning("redis unreachable: %s; further interruptions during this outage are counted, not logged",
+                        what)
+        else:
+            log.debug("redis unreachable: %s", what)
+
+    def _note_recovery(self) -> None:
+        """One line when the first Redis call after an outage (a claim, a clock poll) succeeds."""
+        if self._in_outage:
+            self._in_outage = False
+            log.warning("redis reachable again; %d in-flight samples were interrupted during the outage and are "
+                        "reclaimed when their leases expire", self._outage_samples)
+            self._outage_samples = 0
 
     def _start(self, item: WorkItem) -> None:
         a = _Active(item)
@@ -273,8 +293,9 @@ class RolloutWorker(WorkerWeightSync):
         except UnknownItem:
             log.info("sample %s no longer exists (group dropped or drained)", a.item.sample_id)
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            log.warning("redis unreachable while handling sample %s (%s); its lease will expire and it is "
-                        "reclaimed", a.item.sample_id, exc)
+            self._outage_samples += 1
+            self._note_outage(f"sample {a.item.sample_id} interrupted ({exc}); its lease will expire and it is "
+                              "reclaimed")
         except WorkerError as exc:
             self._fatal = self._fatal or exc
         except Exception as exc:  # a buffer or scorer failure must not kill the worker silently

@@ -123,17 +123,13 @@ class WorkerWeightSync:
                     await self._update_weights(ann)
             except asyncio.CancelledError:
                 raise
-            except outage_errors() as exc:  # Redis restarting: one line per outage, no traceback
-                if not getattr(self, "_clock_unreachable", False):
-                    self._clock_unreachable = True
-                    log.warning("version clock unreachable (%s: %s); polling on until Redis is back",
-                                type(exc).__name__, exc)
+            except outage_errors() as exc:  # Redis restarting: one line per outage (the worker's), no traceback
+                self._note_outage(f"version clock unreachable ({type(exc).__name__}: {exc}); polling on")
                 continue
             except Exception:
                 log.warning("polling the version clock failed", exc_info=True)
-            if getattr(self, "_clock_unreachable", False):
-                self._clock_unreachable = False
-                log.info("version clock reachable again")
+                continue
+            self._note_recovery()
 
     async def _weights_path(self, ann: WeightAnnouncement) -> str:
         """Local directory holding the announced weights (downloading and verifying for ``http``)."""

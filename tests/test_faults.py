@@ -143,6 +143,60 @@ async def test_feeder_rides_out_a_redis_restart(feed_cfg, redis_server, tiny_mod
             restarted.kill()
 
 
+async def test_a_rollout_worker_logs_one_warning_per_redis_outage(redis_server, tiny_model_dir, caplog):
+    """Before: one WARNING per in-flight sample (and one per second of failed claims) at every
+    Redis restart. Now: one line when the outage begins, one with the count when it ends."""
+    from asyncrl.models import load_tokenizer
+    from asyncrl.rewards import RewardScorer
+    from asyncrl.types import PromptGroup
+    from buffers import BufferSettings, ReplayBuffer
+    from rollout_server.client import EngineClient
+    from rollout_server.testing import start_embedded_server
+    from rollout_server.worker import RolloutWorker, WorkerOptions
+
+    tok = load_tokenizer(tiny_model_dir)
+    settings = BufferSettings(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2,
+                              max_budget_tokens=400, max_response_len=400, max_staleness=1, lease_seconds=3.0,
+                              flush_tokens=4)
+    srv = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: start_embedded_server(tiny_model_dir, "--weight-version", "0"))
+    buf = await ReplayBuffer.open(redis_server.url, run="outage-worker", settings=settings)
+    groups = [PromptGroup(f"g{i}", list(tok(f"count {i}")["input_ids"]), {}, n_samples=2) for i in range(4)]
+    await buf.feed(groups, await buf.dataset_cursor())
+    opts = WorkerOptions("w0", temperature=1.0, max_inflight_requests=8, version_poll_seconds=0.1)
+    worker = RolloutWorker(buf, EngineClient(srv.url), RewardScorer("rollout_worker_rewards:length_reward"), tok, opts)
+    stop = asyncio.Event()
+    caplog.set_level(logging.WARNING, logger="rollout_server.worker")
+    task = asyncio.create_task(worker.run(stop))
+    restarted = None
+    try:
+        deadline = time.monotonic() + 60
+        while len(worker._active) < 4:  # samples streaming
+            assert time.monotonic() < deadline and not task.done(), "the worker did not start its samples"
+            await asyncio.sleep(0.05)
+        redis_server.kill()
+        await asyncio.sleep(3.0)  # flushes fail, claims fail for a few seconds
+        assert not task.done(), "the worker died with Redis"
+        restarted = await asyncio.get_running_loop().run_in_executor(None, _restart, redis_server)
+        deadline = time.monotonic() + 60
+        while not any("reachable again" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline and not task.done(), "no recovery line"
+            await asyncio.sleep(0.1)
+        warnings = [r.getMessage() for r in caplog.records if r.name == "rollout_server.worker"
+                    and r.levelno == logging.WARNING]
+        assert len(warnings) == 2, warnings
+        assert warnings[0].startswith("redis unreachable: ")
+        interrupted = int(warnings[1].split("; ")[1].split()[0])
+        assert warnings[1].startswith("redis reachable again") and interrupted >= 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        await buf.close()
+        srv.stop()
+        if restarted is not None:
+            restarted.kill()
+
+
 async def test_trainer_batch_wait_has_a_deadline(feed_cfg, redis_server):
     """Before: ``next_batch`` polled forever when no rollout server produced a batch (a silent hang)."""
     from buffers import BufferSettings, ReplayBuffer
