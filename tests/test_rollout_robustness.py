@@ -167,8 +167,8 @@ def test_nonfinite_row_fails_alone(model_dir):
 class _InProcessServer:
     """The real aiohttp app of ``rollout_server.server`` with a :class:`PoisonEngine`, on a free port."""
 
-    def __init__(self, model_dir):
-        self.model_dir = model_dir
+    def __init__(self, model_dir, limits=None):
+        self.model_dir, self.limits = model_dir, limits
 
     async def __aenter__(self):
         from aiohttp import web
@@ -177,7 +177,7 @@ class _InProcessServer:
 
         port = free_port()
         opts = ServerOptions(str(self.model_dir), port=port, weight_version="0", max_running_requests=16,
-                             engine_threads=1, incremental_streaming_output=True)
+                             engine_threads=1, incremental_streaming_output=True, limits=self.limits)
         self.server = RolloutHTTPServer(opts)
         await asyncio.get_running_loop().run_in_executor(None, self.server.load)
         self.server.engine.__class__ = PoisonEngine
@@ -334,8 +334,11 @@ async def test_invalid_distribution_fails_only_its_request(model_dir):
 
 async def test_masked_top_logprobs_do_not_break_a_stream(model_dir):
     """``min_new_tokens`` masks the EOS token to -inf; asking for every top logprob puts that -inf
-    into the response: it is sent as null (strict JSON), the stream is not cut mid-response."""
-    async with _InProcessServer(model_dir) as srv, EngineClient(srv.url) as c:
+    into the response: it is sent as null (strict JSON), the stream is not cut mid-response.
+    (Every top logprob needs the limit raised past its default of 20.)"""
+    from rollout_server.limits import ServerLimits
+
+    async with _InProcessServer(model_dir, ServerLimits(max_top_logprobs_num=4096)) as srv, EngineClient(srv.url) as c:
         vocab = srv.server.engine.vocab_size
         params = {"max_new_tokens": 3, "min_new_tokens": 3, "temperature": 1.0}
         chunks = [d async for d in c.generate_stream([1, 2, 3], params, top_logprobs_num=vocab)]
