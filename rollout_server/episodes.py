@@ -25,7 +25,9 @@ episode whose worker died before scoring it is scored by replaying it entirely (
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -66,6 +68,10 @@ class _Parked(EpisodeInterrupt):
         super().__init__(why)
         self.status = status
         self.why = why
+
+
+#: Scoring requests (OPSD's prompt logprobs) aborted by a weight update are sent again up to this many times.
+SCORE_ABORT_RETRIES = 8
 
 
 class _Abandon(EpisodeInterrupt):
@@ -248,11 +254,17 @@ class EpisodeRunner:
 
             self.teacher = EngineClient(agent.opsd_teacher_url, api_key=getattr(worker.client, "api_key", None))
 
-    async def _token_logprobs(self, context_ids: list[int], target_ids: list[int], client: Any = None) -> list[float]:
+    async def _token_logprobs(self, context_ids: list[int], target_ids: list[int], client: Any = None,
+                              live: _LiveCalls | None = None) -> list[float]:
         """Logprobs of ``target_ids`` after ``context_ids`` from the engine's prompt logprobs (shape (T,)).
 
         ``/generate`` with ``max_new_tokens: 0``, ``return_logprob`` and ``logprob_start_len =
         len(context) - 1`` (SGLang pads the first returned position with None).
+
+        A request aborted by a weight update's pause (``rollout.pause_mode: abort``) is sent again
+        (up to :data:`SCORE_ABORT_RETRIES` times, backing off); one aborted by a drain, or too
+        often, parks the episode (``live``): its calls are recorded, so the next claim replays
+        them and scores again without generating a token.
 
         Raises:
             WorkerError: the engine refused or returned malformed logprobs (wrapped so the episode
@@ -261,22 +273,35 @@ class EpisodeRunner:
         client = client or self.w.client
         if not context_ids or not target_ids:
             raise ValueError("scoring needs a non-empty context and target")
-        try:
-            out = await client.generate(list(context_ids) + list(target_ids),
-                                        {"max_new_tokens": 0, "temperature": float(self.w.opts.temperature)},
-                                        rid=self.w._next_rid_name("score"), return_logprob=True,
-                                        logprob_start_len=len(context_ids) - 1)
-            rows = out["meta_info"]["input_token_logprobs"][1:]
-            vals = [float(r[0]) for r in rows]
-        except (EngineError, EngineUnavailable, KeyError, TypeError, IndexError, ValueError) as exc:
-            raise _Abandon(WorkerError(f"scoring tokens on {client.url} failed: {exc}")) from exc
+        for attempt in range(SCORE_ABORT_RETRIES + 1):
+            try:
+                out = await client.generate(list(context_ids) + list(target_ids),
+                                            {"max_new_tokens": 0, "temperature": float(self.w.opts.temperature)},
+                                            rid=self.w._next_rid_name("score"), return_logprob=True,
+                                            logprob_start_len=len(context_ids) - 1)
+                aborted = ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
+                if not aborted:
+                    rows = out["meta_info"]["input_token_logprobs"][1:]
+                    vals = [float(r[0]) for r in rows]
+            except (EngineError, EngineUnavailable, KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
+                raise _Abandon(WorkerError(f"scoring tokens on {client.url} failed: {exc}")) from exc
+            if not aborted:
+                break
+            # a weight update's pause (rollout.pause_mode: abort) or a drain aborted the request
+            # before its prefill: score again once the engine runs (the episode itself is complete)
+            if self.w._draining or attempt == SCORE_ABORT_RETRIES:
+                if live is not None:
+                    await live._park("abort", "aborted")  # raises _Parked
+                raise _Abandon(WorkerError(f"scoring tokens on {client.url} was aborted {attempt + 1} times"))
+            await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
         if len(vals) != len(target_ids):
             raise _Abandon(WorkerError(f"the engine at {client.url} returned {len(vals)} prompt logprobs for "
                                        f"{len(target_ids)} tokens"))
         return vals
 
-    async def _teacher_logprobs(self, context_ids: list[int], target_ids: list[int]) -> list[float]:
-        return await self._token_logprobs(context_ids, target_ids, self.teacher)
+    async def _teacher_logprobs(self, context_ids: list[int], target_ids: list[int],
+                                live: _LiveCalls | None = None) -> list[float]:
+        return await self._token_logprobs(context_ids, target_ids, self.teacher, live)
 
     async def run(self, item: WorkItem) -> SampleStatus | None:
         """Run (or replay, then continue) the episode of ``item``; returns the sample's status.
@@ -305,10 +330,10 @@ class EpisodeRunner:
                              tool_timeout=self.agent.tool_timeout_seconds,
                              episode_timeout=self.agent.episode_timeout_seconds,
                              ended_at_token_limit=(finish == "length"))
-        model.scorer = self._token_logprobs
+        model.scorer = functools.partial(self._token_logprobs, live=live)
         model.temperature = float(w.opts.temperature)
         if self.teacher is not None:
-            model.teacher_scorer = self._teacher_logprobs
+            model.teacher_scorer = functools.partial(self._teacher_logprobs, live=live)
         env = self.workflow.make_env(task) if self.workflow.make_env is not None else None
         error: str | None = None
         try:

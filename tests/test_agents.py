@@ -395,6 +395,46 @@ async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, toke
         assert any(abs(x) > 1e-3 for s in samples for x in s.advantages), "teacher and student never differed"
 
 
+async def test_opsd_scoring_aborted_by_weight_updates_is_sent_again(redis_url, server, tokenizer, model_dir):
+    """A weight update's pause (rollout.pause_mode: abort) aborts whatever the engine holds, the
+    OPSD scoring requests included. Before: the aborted scoring answered with no prompt logprobs
+    and the worker stopped ("returned 0 prompt logprobs for N tokens"; the SmolLM2 OPSD run died
+    three times in its first two minutes). Now it is scored again; the advantages are the same."""
+    from asyncrl.models import load_causal_lm
+    from rollout_server.testing import recompute_logprobs
+
+    async with await ReplayBuffer.open(redis_url, "ep7b", _settings()) as buf:
+        await buf.feed([PromptGroup(f"g{i}", _prompt(tokenizer, f"distil {i}"), {}, 2) for i in range(2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:opsd_two_calls")
+        stop = asyncio.Event()
+
+        async def aborter():  # abort everything in the engine, over and over, as pauses do
+            async with EngineClient(server.url) as c:
+                while not stop.is_set():
+                    await c.abort(abort_all=True)
+                    await asyncio.sleep(0.01)
+
+        storm = asyncio.create_task(aborter())
+        try:
+            await _run_until(w, _ready(buf, 2), timeout_seconds=180)
+        finally:
+            stop.set()
+            await storm
+            await w.client.close()
+        assert w.stats.parked_abort > 0, "the storm aborted nothing"
+        lm = load_causal_lm(model_dir)
+        hint = ChatFormat(tokenizer).message_ids("secret hint", "system")
+        for gid in ("g0", "g1"):
+            group, samples = await buf.get_group(gid)
+            for s in samples:
+                for a, b in episode_layout(s.segments, len(s.response_ids))[1]:
+                    tgt = s.response_ids[a:b]
+                    student = recompute_logprobs(lm, group.prompt_ids + s.response_ids[:a], tgt, 1.0)
+                    teacher = recompute_logprobs(lm, hint + group.prompt_ids + s.response_ids[:a], tgt, 1.0)
+                    want = [max(-0.5, min(0.5, t - u)) for t, u in zip(teacher, student)]
+                    assert s.advantages[a:b] == pytest.approx(want, abs=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------- docs
 async def test_the_docs_example_workflow_runs(redis_url, server, tokenizer, tmp_path, monkeypatch):
     """docs/agents.md's complete example, extracted from the page and run by a real worker."""
