@@ -113,6 +113,13 @@ async def opsd_two_calls(task, model, env):
     return Episode(0.25)
 
 
+@opsd(privileged=lambda task: "secret hint", clip=0.5)
+async def opsd_cut_by_the_token_limit(task, model, env):
+    """One call longer than max_response_len: cut by the token limit, still distilled."""
+    await model.generate(max_tokens=64)
+    return Episode(1.0)
+
+
 JUDGE_PROMPT = [{"role": "user", "content": "Is the answer right?"}]
 
 

@@ -395,6 +395,29 @@ async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, toke
         assert any(abs(x) > 1e-3 for s in samples for x in s.advantages), "teacher and student never differed"
 
 
+async def test_opsd_scores_a_call_cut_by_the_token_limit(redis_url, server, tokenizer, model_dir):
+    """Before: an episode that reached rollout.max_response_len ended (token_limit) before the
+    decorator scored it, so its tokens trained with advantage 0 and OPSD never pushed back on
+    over-long answers. Now the cut call gets its teacher-minus-student advantages."""
+    from asyncrl.models import load_causal_lm
+    from rollout_server.testing import recompute_logprobs
+
+    async with await ReplayBuffer.open(redis_url, "ep7c", _settings(max_response_len=6, max_budget_tokens=6)) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "go long"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:opsd_cut_by_the_token_limit")
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        group, samples = await buf.get_group("g0")
+        lm = load_causal_lm(model_dir)
+        hint = ChatFormat(tokenizer).message_ids("secret hint", "system")
+        for s in samples:
+            assert s.info["termination"] == "token_limit" and s.reward == 0.0 and len(s.response_ids) == 6
+            student = recompute_logprobs(lm, group.prompt_ids, s.response_ids, 1.0)
+            teacher = recompute_logprobs(lm, hint + group.prompt_ids, s.response_ids, 1.0)
+            assert s.advantages == pytest.approx([max(-0.5, min(0.5, t - u)) for t, u in zip(teacher, student)], abs=1e-4)
+        assert any(abs(x) > 1e-3 for s in samples for x in s.advantages)
+
+
 async def test_opsd_scoring_aborted_by_weight_updates_is_sent_again(redis_url, server, tokenizer, model_dir):
     """A weight update's pause (rollout.pause_mode: abort) aborts whatever the engine holds, the
     OPSD scoring requests included. Before: the aborted scoring answered with no prompt logprobs

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Awaitable, Callable, Sequence
 
-from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask
+from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask, TokenLimit
 
 __all__ = ["opsd", "gold_answer_hint", "opsd_advantages"]
 
@@ -87,9 +87,19 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
     def wrap(run: Callable[..., Awaitable[Episode]]) -> Callable[..., Awaitable[Episode]]:
         @functools.wraps(run)
         async def wrapped(task: EpisodeTask, model: EpisodeModel, env: Any) -> Episode:
-            episode = await run(task, model, env)
+            try:
+                episode = await run(task, model, env)
+            except TokenLimit:
+                # a call cut by rollout.max_response_len is still the student's own text: it gets
+                # its per-token advantages (the runner ends the episode as token_limit and keeps them)
+                await score(task, model)
+                raise
+            await score(task, model)
+            return episode
+
+        async def score(task: EpisodeTask, model: EpisodeModel) -> None:
             if model.scorer is None or not model.steps:
-                return episode
+                return
             hint_ids = model.chat.message_ids(privileged(task), role)
             for traj in model.trajectories:  # each trajectory's calls, with its own prompt
                 teacher_prompt = hint_ids + list(traj.prompt_ids)
@@ -102,7 +112,6 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
                     teacher = await (model.teacher_scorer or model.scorer)(teacher_prompt + before, target)
                     student = await model.scorer(list(traj.prompt_ids) + before, target)
                     step.advantages = opsd_advantages(teacher, student, clip)
-            return episode
 
         wrapped.opsd = True  # type: ignore[attr-defined]
         return wrapped
