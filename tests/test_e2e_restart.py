@@ -138,6 +138,13 @@ def test_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_pa
         assert client["asyncrl_critic"]["step"] == int(tag.removeprefix("step")) == 12
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
 def _children(pid: int) -> dict[int, str]:
     out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -181,7 +188,8 @@ def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tin
         deadline = time.monotonic() + 240  # the roles drain (the trainer checkpoints), then Redis stops
         while time.monotonic() < deadline and not all(_gone(p) for p in children):
             time.sleep(0.5)
-        assert all(_gone(p) for p in children), "roles or redis-server outlived a SIGKILLed controller"
+        survivors = {p: (name, _cmdline(p)) for p, name in children.items() if not _gone(p)}
+        assert not survivors, f"roles or redis-server outlived a SIGKILLed controller: {survivors}"
         # Redis outlived the controller until the trainer's orderly stop: it checkpointed its step
         assert "stopped because stopped" in (run_dir / "logs" / "trainer.log").read_text()
     finally:

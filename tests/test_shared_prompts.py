@@ -109,9 +109,11 @@ def assert_same_logprobs_and_grads(model, prompts, responses, rel=1e-5, fp64=Non
         _, _, g_64 = _logprobs_and_grads(fp64, prompts, responses, False, weights.double())
         for name in g_u:
             err_s, err_u = _rel(g_s[name], g_64[name]), _rel(g_u[name], g_64[name])
-            # both are fp32 rounding noise at the 1e-5 level (CI saw 1.3e-5 vs 6.1e-6 on one layer norm
-            # under other thread counts); a wrong mask or position id gives errors of 1e-2 and more
-            assert err_s <= max(2 * rel, 2 * err_u), f"{name}: shared {err_s:.2e} vs unshared {err_u:.2e} from fp64"
+            # both are fp32 rounding noise at the 1e-5 level: on layer-norm weights (sums over every
+            # token, added in another order when the prompt is shared) CI saw the shared error at
+            # 2.1x the unshared one (1.3e-5 vs 6.1e-6, 2.3e-5 vs 1.1e-5); a wrong mask or position id
+            # gives errors of 1e-2 and more
+            assert err_s <= max(5 * rel, 3 * err_u), f"{name}: shared {err_s:.2e} vs unshared {err_u:.2e} from fp64"
     return mb_u, mb_s
 
 
