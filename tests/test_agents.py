@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import warnings
 
 import pytest
 
@@ -366,10 +365,18 @@ def test_opsd_advantages_by_hand():
         opsd(clip=0.0)
 
 
+def _opsd_want(lm, hint, context, target, clip=0.5):
+    """clip(log p(target | hint + context) - log p(target | context)), recomputed from the model."""
+    from rollout_server.testing import recompute_logprobs
+
+    student = recompute_logprobs(lm, context, target, 1.0)
+    teacher = recompute_logprobs(lm, hint + context, target, 1.0)
+    return [max(-clip, min(clip, t - u)) for t, u in zip(teacher, student)]
+
+
 async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, tokenizer, model_dir):
     """Per-token advantages = clip(log p(y | hint + prompt + y<) - log p(y | prompt + y<), 0.5), recomputed here."""
     from asyncrl.models import load_causal_lm
-    from rollout_server.testing import recompute_logprobs
 
     async with await ReplayBuffer.open(redis_url, "ep7", _settings()) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "distil"), {}, 2)], 0)
@@ -380,17 +387,12 @@ async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, toke
         lm = load_causal_lm(model_dir)
         hint = ChatFormat(tokenizer).message_ids("secret hint", "system")
         assert tokenizer.decode(hint) == "<|im_start|>system\nsecret hint<|im_end|>\n"
-        clipped = 0
         for s in samples:
             env, calls = episode_layout(s.segments, len(s.response_ids))
             assert s.reward == 0.25 and len(s.advantages) == len(s.response_ids)
             for a, b in calls:
-                tgt = s.response_ids[a:b]
-                student = recompute_logprobs(lm, group.prompt_ids + s.response_ids[:a], tgt, 1.0)
-                teacher = recompute_logprobs(lm, hint + group.prompt_ids + s.response_ids[:a], tgt, 1.0)
-                want = [max(-0.5, min(0.5, t - u)) for t, u in zip(teacher, student)]
+                want = _opsd_want(lm, hint, group.prompt_ids + s.response_ids[:a], s.response_ids[a:b])
                 assert s.advantages[a:b] == pytest.approx(want, abs=1e-4)
-                clipped += sum(abs(t - u) > 0.5 for t, u in zip(teacher, student))
             assert all(s.advantages[i] == 0.0 for a, b in env for i in range(a, b))
         assert any(abs(x) > 1e-3 for s in samples for x in s.advantages), "teacher and student never differed"
 
@@ -400,7 +402,6 @@ async def test_opsd_scores_a_call_cut_by_the_token_limit(redis_url, server, toke
     decorator scored it, so its tokens trained with advantage 0 and OPSD never pushed back on
     over-long answers. Now the cut call gets its teacher-minus-student advantages."""
     from asyncrl.models import load_causal_lm
-    from rollout_server.testing import recompute_logprobs
 
     async with await ReplayBuffer.open(redis_url, "ep7c", _settings(max_response_len=6, max_budget_tokens=6)) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "go long"), {}, 2)], 0)
@@ -412,9 +413,7 @@ async def test_opsd_scores_a_call_cut_by_the_token_limit(redis_url, server, toke
         hint = ChatFormat(tokenizer).message_ids("secret hint", "system")
         for s in samples:
             assert s.info["termination"] == "token_limit" and s.reward == 0.0 and len(s.response_ids) == 6
-            student = recompute_logprobs(lm, group.prompt_ids, s.response_ids, 1.0)
-            teacher = recompute_logprobs(lm, hint + group.prompt_ids, s.response_ids, 1.0)
-            assert s.advantages == pytest.approx([max(-0.5, min(0.5, t - u)) for t, u in zip(teacher, student)], abs=1e-4)
+            assert s.advantages == pytest.approx(_opsd_want(lm, hint, group.prompt_ids, s.response_ids), abs=1e-4)
         assert any(abs(x) > 1e-3 for s in samples for x in s.advantages)
 
 
@@ -424,7 +423,6 @@ async def test_opsd_scoring_aborted_by_weight_updates_is_sent_again(redis_url, s
     and the worker stopped ("returned 0 prompt logprobs for N tokens"; the SmolLM2 OPSD run died
     three times in its first two minutes). Now it is scored again; the advantages are the same."""
     from asyncrl.models import load_causal_lm
-    from rollout_server.testing import recompute_logprobs
 
     async with await ReplayBuffer.open(redis_url, "ep7b", _settings()) as buf:
         await buf.feed([PromptGroup(f"g{i}", _prompt(tokenizer, f"distil {i}"), {}, 2) for i in range(2)], 0)
@@ -451,10 +449,7 @@ async def test_opsd_scoring_aborted_by_weight_updates_is_sent_again(redis_url, s
             group, samples = await buf.get_group(gid)
             for s in samples:
                 for a, b in episode_layout(s.segments, len(s.response_ids))[1]:
-                    tgt = s.response_ids[a:b]
-                    student = recompute_logprobs(lm, group.prompt_ids + s.response_ids[:a], tgt, 1.0)
-                    teacher = recompute_logprobs(lm, hint + group.prompt_ids + s.response_ids[:a], tgt, 1.0)
-                    want = [max(-0.5, min(0.5, t - u)) for t, u in zip(teacher, student)]
+                    want = _opsd_want(lm, hint, group.prompt_ids + s.response_ids[:a], s.response_ids[a:b])
                     assert s.advantages[a:b] == pytest.approx(want, abs=1e-4)
 
 
