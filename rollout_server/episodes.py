@@ -279,13 +279,10 @@ class EpisodeRunner:
                                             {"max_new_tokens": 0, "temperature": float(self.w.opts.temperature)},
                                             rid=self.w._next_rid_name("score"), return_logprob=True,
                                             logprob_start_len=len(context_ids) - 1)
-                aborted = ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
-                if not aborted:
-                    rows = out["meta_info"]["input_token_logprobs"][1:]
-                    vals = [float(r[0]) for r in rows]
-            except (EngineError, EngineUnavailable, KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
+                finish = ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type")
+            except (EngineError, EngineUnavailable, AttributeError) as exc:
                 raise _Abandon(WorkerError(f"scoring tokens on {client.url} failed: {exc}")) from exc
-            if not aborted:
+            if finish != "abort":
                 break
             # a weight update's pause (rollout.pause_mode: abort) or a drain aborted the request
             # before its prefill: score again once the engine runs (the episode itself is complete)
@@ -294,14 +291,14 @@ class EpisodeRunner:
                     await live._park("abort", "aborted")  # raises _Parked
                 raise _Abandon(WorkerError(f"scoring tokens on {client.url} was aborted {attempt + 1} times"))
             await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+        try:
+            vals = [float(r[0]) for r in out["meta_info"]["input_token_logprobs"][1:]]
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise _Abandon(WorkerError(f"scoring tokens on {client.url} failed: {exc}")) from exc
         if len(vals) != len(target_ids):
             raise _Abandon(WorkerError(f"the engine at {client.url} returned {len(vals)} prompt logprobs for "
                                        f"{len(target_ids)} tokens"))
         return vals
-
-    async def _teacher_logprobs(self, context_ids: list[int], target_ids: list[int],
-                                live: _LiveCalls | None = None) -> list[float]:
-        return await self._token_logprobs(context_ids, target_ids, self.teacher, live)
 
     async def run(self, item: WorkItem) -> SampleStatus | None:
         """Run (or replay, then continue) the episode of ``item``; returns the sample's status.
@@ -333,7 +330,7 @@ class EpisodeRunner:
         model.scorer = functools.partial(self._token_logprobs, live=live)
         model.temperature = float(w.opts.temperature)
         if self.teacher is not None:
-            model.teacher_scorer = functools.partial(self._teacher_logprobs, live=live)
+            model.teacher_scorer = functools.partial(self._token_logprobs, client=self.teacher, live=live)
         env = self.workflow.make_env(task) if self.workflow.make_env is not None else None
         error: str | None = None
         try:
