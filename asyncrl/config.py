@@ -33,8 +33,8 @@ from pydantic import BaseModel, model_validator
 
 # The sections (and the B = ⌈p·R⌉ formula) live in asyncrl/config_sections.py; every name stays
 # importable from here (``from asyncrl.config import DataConfig``), as code and tests do.
+from asyncrl.config_agent import STEPWISE_MODES, AgentConfig  # noqa: F401  (re-exported)
 from asyncrl.config_sections import (  # noqa: F401  (re-exported)
-    AgentConfig,
     ArithmeticConfig,
     BufferConfig,
     CriticConfig,
