@@ -239,6 +239,7 @@ class Controller(ControllerEvaluation):
         self.progress.update(rec)
 
     def _forward_children(self) -> None:
+        forwarded = False
         for role, raw in self.trainer_tail.read_new():
             step, metrics = normalize_trainer_record(raw)
             self.trainer_step = max(self.trainer_step, step)
@@ -248,6 +249,9 @@ class Controller(ControllerEvaluation):
             rec = self.trainer_logger.log(step, metrics)
             self.logger.forward(rec)
             self.progress.update(rec)
+            forwarded = True
+        if forwarded:
+            self.trainer_tail.save()
         for rec in self.tail.read_new():
             if rec.get("role") == "trainer" and isinstance(rec.get("step"), int):
                 self.trainer_step = max(self.trainer_step, rec["step"])
@@ -339,7 +343,9 @@ class Controller(ControllerEvaluation):
         self.trainer_tail = TrainerTail(self.run_dir)
         if self.resumed:
             self.tail.seek_to_end()
-            self.trainer_tail.skip_existing()
+            # the trainer may have gone on after the previous controller's last read (its records
+            # are forwarded now) or even finished the run (then run_state.json's step lags)
+            self.trainer_step = max(self.trainer_step, self.trainer_tail.resume())
         self.progress = Progress(cfg.run.total_steps, cfg.run.name, cfg.buffer.max_staleness,
                                  live=None if cfg.monitoring.progress else False)
         self.eval_on = cfg.monitoring.eval_interval is not None

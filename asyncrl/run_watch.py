@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -75,15 +76,52 @@ def normalize_trainer_record(rec: dict[str, Any]) -> tuple[int, dict[str, float]
 
 
 class TrainerTail:
-    """Reads ``<run_dir>/metrics/*.jsonl`` (the trainer's step records) incrementally."""
+    """Reads ``<run_dir>/metrics/*.jsonl`` (the trainer's step records) incrementally.
+
+    What has been read survives the controller: :meth:`save` records the byte offsets in
+    ``<run_dir>/metrics/tail.json`` (the controller calls it right after forwarding what
+    :meth:`read_new` returned), and a resumed controller's :meth:`resume` continues from there, so
+    the records a trainer wrote between the old controller's last read and its death are
+    forwarded by the new one instead of being skipped. A kill between forwarding and saving
+    forwards that one read's records twice; nothing is lost.
+    """
+
+    STATE = "tail.json"
 
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir / "metrics"
         self.offsets: dict[Path, int] = {}
 
-    def skip_existing(self) -> None:
+    def skip_existing(self) -> int:
+        """Start at the end of every file; returns the highest step among the skipped records (0 if none)."""
+        top = 0
         for path in sorted(self.dir.glob("*.jsonl")) if self.dir.exists() else []:
             self.offsets[path] = path.stat().st_size
+            top = max(top, _max_step(path, self.offsets[path]))
+        return top
+
+    def resume(self) -> int:
+        """Continue where the previous controller's last :meth:`save` left off (files it never
+        saw: from their end, as :meth:`skip_existing`); returns the highest step among the records
+        before the new offsets (the resumed controller's starting step)."""
+        top = self.skip_existing()
+        try:
+            saved = json.loads((self.dir / self.STATE).read_text())
+        except (OSError, ValueError):
+            return top
+        for path in list(self.offsets):
+            off = saved.get(path.name) if isinstance(saved, dict) else None
+            if isinstance(off, int) and 0 <= off <= self.offsets[path]:
+                self.offsets[path] = off
+        return top
+
+    def save(self) -> None:
+        """Record the offsets read so far (atomically: a temporary file renamed over the old one)."""
+        if not self.dir.exists():
+            return
+        tmp = self.dir / (self.STATE + ".tmp")
+        tmp.write_text(json.dumps({p.name: off for p, off in self.offsets.items()}))
+        os.replace(tmp, self.dir / self.STATE)
 
     def read_new(self) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
@@ -108,6 +146,21 @@ class TrainerTail:
                 if isinstance(rec, dict) and "role" not in rec:
                     out.append((path.stem, rec))
         return out
+
+
+def _max_step(path: Path, limit: int) -> int:
+    """The highest integer ``step`` among the first ``limit`` bytes' complete JSON lines of ``path``."""
+    top = 0
+    with open(path, "rb") as f:
+        data = f.read(limit)
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+            step = int(rec["step"]) if isinstance(rec, dict) and "role" not in rec else 0
+        except (ValueError, KeyError, TypeError):
+            continue
+        top = max(top, step)
+    return top
 
 
 # ----------------------------------------------------------------------------------------------

@@ -194,22 +194,25 @@ def test_seeded_chaos_run_completes_and_reconciles(tmp_path, tiny_model_dir):
             proc.wait()
     err = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)
     assert proc.returncode == 0, err[-6000:]
+    role_logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    # what a failure below needs to be diagnosed: the sessions' lines, the trainer's own log and steps
+    evidence = (f"{err[-4000:]}\n--- trainer.log (tail)\n{role_logs.get('trainer.log', '')[-4000:]}\n"
+                f"--- trainer.jsonl steps {_trainer_steps(run_dir)}")
 
     # no orphan: every process of the run is gone (roles, torch ranks, engines, redis-server)
     deadline = time.monotonic() + 30
     while _run_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _run_processes(run_dir), [Path(f"/proc/{p}/cmdline").read_bytes() for p in _run_processes(run_dir)]
+    assert not _run_processes(run_dir), ([Path(f"/proc/{p}/cmdline").read_bytes() for p in _run_processes(run_dir)], evidence)
 
     # completion
     state = json.loads((run_dir / "run_state.json").read_text())
-    assert state["status"] == "finished" and state["step"] == TOTAL, state
-    assert state["sessions"] == len(logs)
+    assert state["status"] == "finished" and state["step"] == TOTAL, f"{state}\n{evidence}"
+    assert state["sessions"] == len(logs), f"{state}\n{evidence}"
     # outages did not use up restart limits; no busy port; no error tracebacks for dropped streams
     assert "not restarted" not in err and "is busy" not in err, err[-6000:]
     for role in {t for _, _, t in plan} - {"redis", "controller"}:  # a SIGKILL is the role's own crash: counted
         assert f"role '{role}' was killed by SIGKILL; restarted (restart 1)" in err, (role, err[-6000:])
-    role_logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
     assert not any("ERROR aiohttp.server" in text for text in role_logs.values())
 
     # staleness within its bound; a step stopped in order is not trained again

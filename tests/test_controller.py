@@ -193,3 +193,54 @@ def test_reconcile_groups_accounts_for_every_fed_group():
     ok, text = reconcile_groups(lost)
     assert not ok and text.startswith("fed 53 != ")
     assert reconcile_groups({})[0]  # an empty buffer: nothing fed, nothing missing
+
+
+def _trainer_records(path: Path, steps) -> None:
+    with open(path, "a") as f:
+        for k in steps:
+            f.write(json.dumps({"step": float(k), "loss": 0.1 * k}) + "\n")
+
+
+def test_trainer_tail_resumes_where_the_killed_controller_left_off(tmp_path):
+    from asyncrl.run_watch import TrainerTail
+
+    records = tmp_path / "metrics" / "trainer.jsonl"
+    records.parent.mkdir()
+    _trainer_records(records, [1, 2, 3])
+    old = TrainerTail(tmp_path)
+    assert [int(r["step"]) for _, r in old.read_new()] == [1, 2, 3]
+    old.save()  # what the controller does right after forwarding
+    _trainer_records(records, [4, 5])  # written after the old controller's last read; then it is SIGKILLed
+    with open(records, "a") as f:
+        f.write('{"step": 6.0, "lo')  # a record being written
+    new = TrainerTail(tmp_path)
+    assert new.resume() == 5  # the furthest complete step
+    assert [int(r["step"]) for _, r in new.read_new()] == [4, 5]  # forwarded now, not skipped
+    with open(records, "a") as f:
+        f.write('ss": 0.6}\n')
+    assert [int(r["step"]) for _, r in new.read_new()] == [6]
+    # without a saved state (a run from before tail.json, or a corrupt one): start at the end
+    (tmp_path / "metrics" / "tail.json").write_text("{not json")
+    other = TrainerTail(tmp_path)
+    assert other.resume() == 6 and other.read_new() == []
+
+
+def test_a_resumed_controller_starts_from_the_trainers_furthest_step(tmp_path):
+    """The previous controller was SIGKILLed while its trainer finished the run: run_state.json
+    says step 26, the trainer's own records reach 30; the resumed session must report 30 (CI once
+    saw "finished" with step 26/30)."""
+    from asyncrl.controller import Controller
+
+    cfg = load_config(["--config", str(TINY), "--output_dir", str(tmp_path), "--total_steps", "30"])
+    run_dir = tmp_path / "tiny"
+    (run_dir / "metrics").mkdir(parents=True)
+    _trainer_records(run_dir / "metrics" / "trainer.jsonl", range(1, 31))
+    (run_dir / "run_state.json").write_text(json.dumps({"sessions": 1, "status": "running", "step": 26}))
+    ctl = Controller(cfg, resumed=True)
+    try:
+        assert ctl._prepare() is None
+        assert ctl.trainer_step == 30
+    finally:
+        ctl.progress.stop()
+        ctl.logger.close()
+        ctl.trainer_logger.close()
