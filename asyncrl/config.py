@@ -155,6 +155,11 @@ class AsyncRLConfig(_Section):
                 "trainer.reference.ema_eta is set but no reference model is used: set trainer.loss.kl_coef > 0 "
                 "or trainer.kl_ctl.coef > 0 (with advantage: gae), or drop ema_eta"
             )
+        if self.trainer.precomputed_advantages == "add" and self.trainer.advantage == "gae":
+            raise ValueError(
+                "trainer.precomputed_advantages: add adds per-token values to a group estimator's advantage; with "
+                "advantage: gae the critic computes them: use grpo, dr_grpo, rloo or reinforce_pp, or replace"
+            )
         if self.agent.workflow is not None and self.trainer.advantage == "gae":
             raise ValueError(
                 "agent.workflow with trainer.advantage: gae is not supported yet (the critic would value environment "

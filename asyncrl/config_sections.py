@@ -436,6 +436,8 @@ class TrainerConfig(_Section):
     """Advantage estimator: the critic-free group/batch baselines, or ``gae`` (PPO with a critic, ``trainer.critic``)."""
     adv_norm: bool = False
     """Normalise the advantages over the train batch's loss tokens (mean 0, std 1) after the estimator, for every estimator (AReaL ``adv_norm``, on by default there)."""
+    precomputed_advantages: Literal["replace", "add"] = "replace"
+    """Advantages a workflow or hook sets on samples (e.g. OPSD's per-token log-ratios): ``replace`` = used instead of the estimator (rllm's precomputed path); ``add`` = added to the estimator's advantage from the rewards (dense shaping on top of GRPO; not with ``gae``)."""
     gae: GAEConfig = GAEConfig()
     """Discount and lambda of GAE (``advantage: gae``)."""
     critic: CriticConfig = CriticConfig()

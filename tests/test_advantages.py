@@ -101,3 +101,33 @@ def test_precomputed_malformed_values_are_errors(bad):
 def test_unknown_estimator():
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         group_advantages("gae", [[1.0, 0.0]], [[1, 1]])
+
+
+def test_precomputed_add_mode_adds_per_token_values_to_the_estimate():
+    # dr_grpo of rewards [1, 0] is [+0.5, -0.5]; the precomputed values are added token by token
+    out = group_advantages("dr_grpo", [[1.0, 0.0], [3.0, 1.0]], [[2, 3], [1, 1]],
+                           [[[0.1, -0.2], 0.3], [None, None]], [["a", "b"], ["c", "d"]], mode="add")
+    assert torch.allclose(out[0][0], torch.tensor([0.6, 0.3]))
+    assert torch.allclose(out[0][1], torch.tensor([-0.2, -0.2, -0.2]))
+    # a group without precomputed values is the estimate alone
+    assert float(out[1][0][0]) == pytest.approx(1.0) and float(out[1][1][0]) == pytest.approx(-1.0)
+    # replace (the default) ignores the rewards of that group
+    rep = group_advantages("dr_grpo", [[1.0, 0.0]], [[2, 3]], [[[0.1, -0.2], 0.3]])
+    assert torch.allclose(rep[0][0], torch.tensor([0.1, -0.2])) and torch.allclose(rep[0][1], torch.full((3,), 0.3))
+
+
+def test_precomputed_add_mode_still_validates_and_falls_back():
+    with pytest.raises(AdvantageError, match="sample a: 1 precomputed per-token advantages for 2"):
+        group_advantages("grpo", [[1.0, 0.0]], [[2, 2]], [[[0.5], 0.0]], [["a", "b"]], mode="add")
+    with pytest.warns(AdvantageWarning, match="b"):
+        out = group_advantages("dr_grpo", [[1.0, 0.0]], [[1, 1]], [[0.25, None]], [["a", "b"]], mode="add")
+    assert float(out[0][0][0]) == pytest.approx(0.5)  # some missing: the estimate alone, as in replace
+    with pytest.raises(ValueError, match="choose replace or add"):
+        group_advantages("grpo", [[1.0, 0.0]], [[1, 1]], mode="sum")
+
+
+def test_precomputed_add_mode_is_refused_with_gae():
+    from asyncrl.config import AsyncRLConfig
+
+    with pytest.raises(ValueError, match="precomputed_advantages: add"):
+        AsyncRLConfig.model_validate({"trainer": {"advantage": "gae", "precomputed_advantages": "add"}})

@@ -363,6 +363,9 @@ def test_opsd_advantages_by_hand():
         opsd_advantages([-1.0], [], clip=1.0)
     with pytest.raises(ValueError, match="clip"):
         opsd(clip=0.0)
+    assert opsd_advantages([-1.0, -9.0], [-1.5, -0.5], clip=2.0, coef=0.25) == [0.125, -0.5]
+    with pytest.raises(ValueError, match="coef"):
+        opsd(coef=0.0)
 
 
 def _opsd_want(lm, hint, context, target, clip=0.5):
@@ -374,13 +377,15 @@ def _opsd_want(lm, hint, context, target, clip=0.5):
     return [max(-clip, min(clip, t - u)) for t, u in zip(teacher, student)]
 
 
-async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, tokenizer, model_dir):
-    """Per-token advantages = clip(log p(y | hint + prompt + y<) - log p(y | prompt + y<), 0.5), recomputed here."""
+@pytest.mark.parametrize("coef", [None, 0.25])
+async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, tokenizer, model_dir, coef):
+    """Per-token advantages = coef * clip(log p(y | hint + prompt + y<) - log p(y | prompt + y<), 0.5),
+    recomputed here; coef = agent.opsd_coef (None: the decorator's, 1)."""
     from asyncrl.models import load_causal_lm
 
-    async with await ReplayBuffer.open(redis_url, "ep7", _settings()) as buf:
+    async with await ReplayBuffer.open(redis_url, f"ep7-{coef}", _settings()) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "distil"), {}, 2)], 0)
-        w = _worker(buf, server.url, tokenizer, "agent_workflows:opsd_two_calls")
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:opsd_two_calls", opsd_coef=coef)
         await _run_until(w, _ready(buf, 1))
         await w.client.close()
         group, samples = await buf.get_group("g0")
@@ -392,7 +397,7 @@ async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, toke
             assert s.reward == 0.25 and len(s.advantages) == len(s.response_ids)
             for a, b in calls:
                 want = _opsd_want(lm, hint, group.prompt_ids + s.response_ids[:a], s.response_ids[a:b])
-                assert s.advantages[a:b] == pytest.approx(want, abs=1e-4)
+                assert s.advantages[a:b] == pytest.approx([(coef or 1.0) * x for x in want], abs=1e-4)
             assert all(s.advantages[i] == 0.0 for a, b in env for i in range(a, b))
         assert any(abs(x) > 1e-3 for s in samples for x in s.advantages), "teacher and student never differed"
 

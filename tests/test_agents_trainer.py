@@ -153,3 +153,19 @@ def test_precomputed_step_advantages_skip_the_estimator_and_partial_ones_fall_ba
     groups[0]["samples"][1]["advantages"] = [1.0] * 3
     with pytest.raises(Exception, match="e0/1"):
         prepare_batch(copy.deepcopy(groups), cfg, 3)
+
+
+def test_precomputed_step_advantages_added_to_the_estimate(tmp_path, tiny_model_dir, tiny_model):
+    """trainer.precomputed_advantages: add — the estimator's advantage from the rewards plus the
+    workflow's per-token values (OPSD on top of GRPO); environment tokens stay out of the loss."""
+    cfg = make_cfg(tmp_path, tiny_model_dir)
+    cfg.trainer.precomputed_advantages = "add"
+    groups, calls = episode_groups(tiny_model.config.vocab_size, n_groups=1)
+    for s in groups[0]["samples"]:
+        s["advantages"] = [0.1 * i for i in range(10)]
+    batch = prepare_batch(copy.deepcopy(groups), cfg, 3)
+    rewards = [s["reward"] for s in groups[0]["samples"]]  # dr_grpo: reward minus the group mean
+    for ps, r in zip(batch.samples, rewards):
+        want = [r - sum(rewards) / 2 + 0.1 * i for i in range(10)]
+        assert ps.advantages.tolist() == pytest.approx(want)
+        assert ps.loss_mask.tolist() == [1.0 if any(a <= i < b for a, b in calls) else 0.0 for i in range(10)]

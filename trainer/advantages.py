@@ -26,7 +26,10 @@ Precomputed advantages (rllm ``use_precomputed_advantage``): custom rollout code
 scalar or one value per response token on each sample. :func:`group_advantages` validates them
 per group: all present and well formed -> used as is; some missing -> a warning and the group
 is estimated from its rewards; a per-token list of the wrong length or a non-finite value -> a
-:class:`AdvantageError` naming the sample.
+:class:`AdvantageError` naming the sample. With ``mode="add"`` (``trainer.precomputed_advantages:
+add``) a group whose samples all carry them is estimated from its rewards as well and the
+precomputed values are added, token by token: a dense per-token term (e.g. on-policy
+self-distillation's log-ratios) shaping the estimator's sequence-level advantage.
 
 GAE (PPO with a critic, ``trainer.advantage: gae``) is per token and needs the critic's values:
 it lives in :mod:`trainer.value` and :mod:`trainer.critic`, with the per-token KL penalty in the
@@ -230,6 +233,7 @@ def group_advantages(
     precomputed: Sequence[Sequence[object]] | None = None,
     sample_names: Sequence[Sequence[str]] | None = None,
     eps: float = 1e-6,
+    mode: str = "replace",
 ) -> list[list[torch.Tensor]]:
     """Per-token advantages of every sample of a batch of prompt groups.
 
@@ -241,19 +245,23 @@ def group_advantages(
             of T_i numbers); None means no sample carries any.
         sample_names: per group, sample ids used in messages.
         eps: std epsilon of ``grpo`` / ``reinforce_pp``.
+        mode: ``replace`` (a group whose samples all carry precomputed advantages uses them as
+            they are) or ``add`` (it is estimated from its rewards too, and they are added).
 
     Returns:
         per group, per sample, a (T_i,) float32 tensor of advantages.
 
     Raises:
         AdvantageError: malformed precomputed advantages (names the sample).
-        ValueError: unknown estimator, a group too small for a per-group estimator.
+        ValueError: unknown estimator or mode, a group too small for a per-group estimator.
 
     Warns:
         AdvantageWarning: a group with some but not all precomputed advantages is re-estimated.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+    if mode not in ("replace", "add"):
+        raise ValueError(f"unknown precomputed-advantage mode {mode!r}; choose replace or add")
     n_groups = len(rewards)
     if len(response_lengths) != n_groups:
         raise ValueError("rewards and response_lengths must have one entry per group")
@@ -274,7 +282,7 @@ def group_advantages(
         use_precomputed.append(state == "all")
 
     scalars: list[torch.Tensor | None] = [None] * n_groups
-    estimated = [gi for gi in range(n_groups) if not use_precomputed[gi]]
+    estimated = [gi for gi in range(n_groups) if mode == "add" or not use_precomputed[gi]]
     if estimator == "reinforce_pp" and estimated:
         flat = torch.tensor([r for gi in estimated for r in rewards[gi]], dtype=torch.float64)
         adv_all = reinforce_pp(flat, eps)
@@ -291,13 +299,12 @@ def group_advantages(
     for gi in range(n_groups):
         per_sample = []
         for si, length in enumerate(response_lengths[gi]):
+            base = torch.zeros(length, dtype=torch.float64)
+            if scalars[gi] is not None:
+                base += float(scalars[gi][si])
             if use_precomputed[gi]:
                 adv = precomputed[gi][si]
-                if isinstance(adv, (list, tuple)):
-                    per_sample.append(torch.tensor(adv, dtype=torch.float32))
-                else:
-                    per_sample.append(torch.full((length,), float(adv), dtype=torch.float32))
-            else:
-                per_sample.append(torch.full((length,), float(scalars[gi][si]), dtype=torch.float32))
+                base += torch.tensor(adv, dtype=torch.float64) if isinstance(adv, (list, tuple)) else float(adv)
+            per_sample.append(base.float())
         out.append(per_sample)
     return out

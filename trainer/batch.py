@@ -341,6 +341,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
             [[len(s.response_ids) for s in g.samples] for g in kept],
             [[s.advantages for s in g.samples] for g in kept],
             [[s.sample_id for s in g.samples] for g in kept],
+            mode=tcfg.precomputed_advantages,
         )
 
     prepared: list[PreparedSample] = []

@@ -95,6 +95,8 @@ class EpisodeModel:
         self.scorer: Callable[[list[int], list[int]], Awaitable[list[float]]] | None = None
         #: the same for the OPSD teacher when it is another model (``agent.opsd_teacher_url``); None: ``scorer``
         self.teacher_scorer: Callable[[list[int], list[int]], Awaitable[list[float]]] | None = None
+        #: OPSD's log-ratio weight from the config (``agent.opsd_coef``); None: the decorator's own
+        self.opsd_coef: float | None = None
         #: the sampling temperature of live calls (set by the rollout worker and ``asyncrl eval``; None: unknown)
         first = _shared.handles[0]
         self.temperature: float | None = first.temperature if first is not self else None

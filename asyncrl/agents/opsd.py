@@ -46,8 +46,8 @@ def gold_answer_hint(task: EpisodeTask) -> str:
     return f"The correct final answer is {gold}. Answer as if you had worked it out yourself."
 
 
-def opsd_advantages(teacher: Sequence[float], student: Sequence[float], clip: float) -> list[float]:
-    """``clip(teacher_t - student_t, -clip, clip)`` per token (the module docstring's formula).
+def opsd_advantages(teacher: Sequence[float], student: Sequence[float], clip: float, coef: float = 1.0) -> list[float]:
+    """``coef * clip(teacher_t - student_t, -clip, clip)`` per token (the module docstring's formula).
 
     Raises:
         ValueError: the two sequences differ in length, or a value is not finite.
@@ -59,11 +59,11 @@ def opsd_advantages(teacher: Sequence[float], student: Sequence[float], clip: fl
         d = float(t) - float(s)
         if d != d or d in (float("inf"), float("-inf")):
             raise ValueError("teacher/student logprobs must be finite")
-        out.append(max(-clip, min(clip, d)))
+        out.append(coef * max(-clip, min(clip, d)))
     return out
 
 
-def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: float = 5.0,
+def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: float = 5.0, coef: float = 1.0,
          role: str = "system") -> Callable[[Callable[..., Awaitable[Episode]]], Callable[..., Awaitable[Episode]]]:
     """Decorate ``async def run(task, model, env)`` with on-policy self-distillation.
 
@@ -72,6 +72,9 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
             prompt as a ``role`` message (ChatML: ``<|im_start|>system ... <|im_end|>``), so the
             teacher sees ``hint + prompt + the student's tokens``.
         clip: c of the clipped log-ratio (nats), > 0.
+        coef: weight λ of the clipped log-ratio, > 0 (``agent.opsd_coef`` overrides it when set).
+            With ``trainer.precomputed_advantages: add`` the weighted log-ratios are added to the
+            group estimator's advantage from the rewards instead of replacing it.
         role: chat role of the hint message.
 
     Returns:
@@ -79,10 +82,12 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
         ``advantages``. Without a scorer (``asyncrl eval``) the steps are left as they are.
 
     Raises:
-        ValueError: ``clip <= 0``.
+        ValueError: ``clip <= 0`` or ``coef <= 0``.
     """
     if clip <= 0:
         raise ValueError(f"opsd clip must be > 0, got {clip}")
+    if coef <= 0:
+        raise ValueError(f"opsd coef must be > 0, got {coef}")
 
     def wrap(run: Callable[..., Awaitable[Episode]]) -> Callable[..., Awaitable[Episode]]:
         @functools.wraps(run)
@@ -101,6 +106,7 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
             if model.scorer is None or not model.steps:
                 return
             hint_ids = model.chat.message_ids(privileged(task), role)
+            weight = coef if model.opsd_coef is None else float(model.opsd_coef)
             for traj in model.trajectories:  # each trajectory's calls, with its own prompt
                 teacher_prompt = hint_ids + list(traj.prompt_ids)
                 for step in traj.steps:
@@ -111,7 +117,7 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
                     before = traj.response_ids[:step.start]
                     teacher = await (model.teacher_scorer or model.scorer)(teacher_prompt + before, target)
                     student = await model.scorer(list(traj.prompt_ids) + before, target)
-                    step.advantages = opsd_advantages(teacher, student, clip)
+                    step.advantages = opsd_advantages(teacher, student, clip, weight)
 
         wrapped.opsd = True  # type: ignore[attr-defined]
         return wrapped
