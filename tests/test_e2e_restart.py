@@ -180,8 +180,11 @@ def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tin
         _wait(lambda: _trainer_step(run_dir) >= 4, proc, 300, "step 4")
         [redis_pid] = _redis_servers(proc.pid)  # under its guardian (asyncrl.process_guard)
         os.kill(redis_pid, signal.SIGKILL)  # the controller restarts it on its AOF, same port and password
+        # restarted: a new redis-server (the killed one may linger a moment as a zombie, so a bare
+        # "some redis-server exists" passed before the restart, and the controller was then killed
+        # with Redis down for good — the roles' drain waited it out instead of stopping)
+        _wait(lambda: any(p != redis_pid for p in _redis_servers(proc.pid)), proc, 120, "redis-server restarted")
         _wait(lambda: _trainer_step(run_dir) >= 6, proc, 300, "step 6 after redis-server was killed")
-        assert _redis_servers(proc.pid), "redis-server was not restarted"
         children = {**_children(proc.pid), **{p: "redis-server" for p in _redis_servers(proc.pid)}}
         os.kill(proc.pid, signal.SIGKILL)  # the controller itself
         proc.communicate(timeout=60)
@@ -189,7 +192,13 @@ def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tin
         while time.monotonic() < deadline and not all(_gone(p) for p in children):
             time.sleep(0.5)
         survivors = {p: (name, _cmdline(p)) for p, name in children.items() if not _gone(p)}
-        assert not survivors, f"roles or redis-server outlived a SIGKILLed controller: {survivors}"
+        if survivors:  # what they were doing, for the diagnosis
+            import shutil
+            stacks = "".join(subprocess.run(["py-spy", "dump", "--pid", str(p)], capture_output=True, text=True).stdout
+                             for p in survivors) if shutil.which("py-spy") else "(py-spy not installed)"
+            logs = {n: (run_dir / "logs" / f"{n}.log").read_text()[-3000:] for n in ("trainer", "rollout-0", "feeder")
+                    if (run_dir / "logs" / f"{n}.log").exists()}
+            pytest.fail(f"roles or redis-server outlived a SIGKILLed controller: {survivors}\n{stacks}\n{logs}")
         # Redis outlived the controller until the trainer's orderly stop: it checkpointed its step
         assert "stopped because stopped" in (run_dir / "logs" / "trainer.log").read_text()
     finally:

@@ -231,6 +231,71 @@ async def test_trainer_source_rides_out_an_outage_and_stops_when_asked(feed_cfg,
     await buf.close()
 
 
+async def test_a_stopping_trainer_source_gives_up_on_redis_after_its_stop_grace(feed_cfg, redis_server):
+    """Before: told to stop (its controller died) while Redis was down for good, the trainer's
+    final checkpoint waited buffer.outage_seconds (300 s) for the dataset cursor and the commit.
+    Now, once stopping, each waits at most ``stop_outage_seconds``; not stopping, the full deadline."""
+    import threading
+
+    from buffers import BufferSettings, ReplayBuffer
+    from trainer.sources import BufferBatchSource
+
+    buf = await ReplayBuffer.open(redis_server.url, run="faults", settings=BufferSettings.from_config(feed_cfg))
+    stop = threading.Event()
+    src = BufferBatchSource(buf, stop, outage_seconds=60)
+    src.stop_outage_seconds = 0.5
+    src.guard.out = io.StringIO()
+    redis_server.kill()
+    waiting = asyncio.create_task(src.commit(3))
+    await asyncio.sleep(1.5)
+    assert not waiting.done(), "not stopping: the commit must wait the outage out"
+    stop.set()
+    with pytest.raises(DependencyOutage, match="stopped while Redis was unreachable .*committing step 3"):
+        await asyncio.wait_for(waiting, 10)
+    t0 = time.monotonic()
+    with pytest.raises(DependencyOutage, match="reading the dataset cursor"):
+        await src.state_dict()
+    assert time.monotonic() - t0 < 5
+    await buf.close()
+
+
+def test_a_stop_checkpoint_is_written_without_an_unreachable_redis(feed_cfg, redis_server, tmp_path, capsys):
+    """The loop's stop checkpoint (real Trainer, real DeepSpeed on CPU): Redis down for good, the
+    checkpoint of the step is still written, and the trainer says what it left for later."""
+    import threading
+
+    from buffers import BufferSettings, ReplayBuffer
+    from trainer.loop import _checkpoint
+    from trainer.sources import BufferBatchSource
+    from trainer.trainer import Trainer
+
+    from asyncrl.config import load_config
+
+    cfg = load_config(["--model_path", feed_cfg.model.path, "--run_name", "faults", "--output_dir", str(tmp_path)])
+    trainer = Trainer(cfg)
+    try:
+        trainer.step = 4
+        stop = threading.Event()
+        src = BufferBatchSource(trainer.run_async(ReplayBuffer.open(redis_server.url, run="faults",
+                                                                    settings=BufferSettings.from_config(cfg))), stop)
+        src.stop_outage_seconds = 0.2
+        src.guard.out = io.StringIO()
+        redis_server.kill()
+        stop.set()
+        t0 = time.monotonic()
+        _checkpoint(trainer, src)
+        assert time.monotonic() - t0 < 60
+        assert (tmp_path / "faults" / "checkpoints" / "step00000004").is_dir()
+        err = capsys.readouterr().err
+        assert "written without the dataset cursor" in err and "step 4 is checkpointed but not committed" in err
+        stop.clear()  # not stopping: the same outage is not swallowed (here: past a 1 s deadline)
+        src.guard.deadline_seconds = 1.0
+        with pytest.raises(DependencyOutage):
+            _checkpoint(trainer, src)
+    finally:
+        trainer.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # the supervisor's restart accounting
 

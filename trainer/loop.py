@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -239,9 +240,18 @@ def _checkpoint(trainer: Any, source: Any, metrics: Any = None) -> None:
     """Write a checkpoint (with the source's state); its write time and result go to
     ``asyncrl_trainer_checkpoint_duration_seconds`` / ``asyncrl_trainer_checkpoints_total``
     when ``metrics`` (rank 0's TrainerMetrics) is given. Re-raises a failed write."""
+    from asyncrl.outage import DependencyOutage
+
+    stopping = getattr(getattr(source, "stop", None), "is_set", lambda: False)()
     state = None
     if trainer.rank == 0 and source is not None and hasattr(source, "state_dict"):
-        state = trainer.run_async(source.state_dict())
+        try:
+            state = trainer.run_async(source.state_dict())
+        except DependencyOutage as exc:
+            if not stopping:
+                raise
+            print(f"{exc}; the stop's checkpoint of step {trainer.step} is written without the dataset cursor",
+                  file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
         trainer.save_checkpoint(state)
@@ -253,7 +263,15 @@ def _checkpoint(trainer: Any, source: Any, metrics: Any = None) -> None:
         metrics.checkpoint_duration.observe(time.perf_counter() - start)
         metrics.checkpoints.labels("ok").inc()
     if trainer.rank == 0 and source is not None and hasattr(source, "commit"):
-        trainer.run_async(source.commit(trainer.step))
+        try:
+            trainer.run_async(source.commit(trainer.step))
+        except DependencyOutage as exc:
+            if not stopping:
+                raise
+            # safe: commits are cumulative, and a resume from this checkpoint does not hand its
+            # acknowledged groups out again (docs/architecture.md#acknowledgement-and-recovery)
+            print(f"{exc}; step {trainer.step} is checkpointed but not committed: the next checkpoint commits it",
+                  file=sys.stderr, flush=True)
 
 
 def _export(metrics: Any, r: dict[str, float], trainer: Any) -> None:

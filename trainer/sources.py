@@ -91,7 +91,16 @@ class BufferBatchSource:
     ``buffer_metrics`` (an :class:`asyncrl.metrics.BufferMetrics` on rank 0's registry, set by
     ``main``) receives the batch former's events: the staleness (batch version − oldest token
     version) of every sample handed to the trainer, the groups trained, and the version clock.
+
+    Stopping during an outage: once ``stop`` is set, ``commit`` and ``state_dict`` wait out an
+    unreachable Redis for at most :attr:`stop_outage_seconds` (not ``buffer.outage_seconds``),
+    then raise :class:`asyncrl.outage.DependencyOutage`; the stop's checkpoint is written without
+    them (``trainer.loop``). Before, a trainer told to stop after its controller died with Redis
+    waited the whole outage deadline (300 s) for a Redis nobody would restart.
     """
+
+    #: how long an orderly stop waits for an unreachable Redis before checkpointing without it
+    stop_outage_seconds: float = 15.0
 
     def __init__(self, buf: Any, stop: threading.Event | None = None, poll_seconds: float = 0.05,
                  outage_seconds: float = 300.0, batch_wait_seconds: float = 3600.0):
@@ -180,12 +189,25 @@ class BufferBatchSource:
             bid = self._batch_id
             await self.guard.call(lambda: self.buf.acknowledge(bid, step), f"acknowledging step {step}")
 
+    def _give_up_when_stopping(self):
+        """A ``give_up`` for :meth:`OutageGuard.call`: True once ``stop`` is set and the call has
+        waited :attr:`stop_outage_seconds`."""
+        import time
+
+        started = time.monotonic()
+        return lambda: self.stop.is_set() and time.monotonic() - started >= self.stop_outage_seconds
+
     async def commit(self, step: int) -> None:
-        """Commit the groups acknowledged up to ``step`` (idempotent; retried through an outage)."""
-        await self.guard.call(lambda: self.buf.commit(step), f"committing step {step}")
+        """Commit the groups acknowledged up to ``step`` (idempotent and cumulative; retried through
+        an outage, for at most :attr:`stop_outage_seconds` once stopping)."""
+        await self.guard.call(lambda: self.buf.commit(step), f"committing step {step}",
+                              give_up=self._give_up_when_stopping())
 
     async def state_dict(self) -> dict[str, Any]:
-        return {"dataset_cursor": await self.guard.call(self.buf.dataset_cursor, "reading the dataset cursor")}
+        """``{"dataset_cursor": N}`` for the checkpoint (informational; retried like :meth:`commit`)."""
+        cursor = await self.guard.call(self.buf.dataset_cursor, "reading the dataset cursor",
+                                       give_up=self._give_up_when_stopping())
+        return {"dataset_cursor": cursor}
 
     async def announce(self, version: int, uri: str, checksum: str) -> None:
         """Move the clock to ``version`` (compare-and-set). Retried through a Redis outage: when an
