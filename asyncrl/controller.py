@@ -34,8 +34,9 @@ Core split: :mod:`asyncrl.resources` (on 2 cores with the asynchronous knobs on:
 0, trainer core 1; a synchronous config gives every role all cores).
 
 Run directory: ``config.yaml``, ``clock.json``, ``run_state.json`` (status, step, wall
-seconds), ``metrics-<role>.jsonl``, ``logs/<role>.log``, ``redis/``, ``checkpoints/``,
-``weights/``, ``eval/step-<k>.json``.
+seconds), ``metrics-<role>.jsonl``, ``metrics/`` (the trainer's step records and
+``tail.json``, how far they were forwarded: :class:`asyncrl.run_watch.TrainerTail`),
+``logs/<role>.log``, ``redis/``, ``checkpoints/``, ``weights/``, ``eval/step-<k>.json``.
 
 Simplified: one machine; attached SGLang servers (``rollout.server_urls``) get one rollout
 server role each with that URL; the rollout roles' idle ratios come from their own metrics.
