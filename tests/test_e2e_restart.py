@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,7 +194,6 @@ def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tin
             time.sleep(0.5)
         survivors = {p: (name, _cmdline(p)) for p, name in children.items() if not _gone(p)}
         if survivors:  # what they were doing, for the diagnosis
-            import shutil
             stacks = "".join(subprocess.run(["py-spy", "dump", "--pid", str(p)], capture_output=True, text=True).stdout
                              for p in survivors) if shutil.which("py-spy") else "(py-spy not installed)"
             logs = {n: (run_dir / "logs" / f"{n}.log").read_text()[-3000:] for n in ("trainer", "rollout-0", "feeder")

@@ -283,7 +283,7 @@ def test_a_stop_checkpoint_is_written_without_an_unreachable_redis(feed_cfg, red
         redis_server.kill()
         stop.set()
         t0 = time.monotonic()
-        _checkpoint(trainer, src)
+        _checkpoint(trainer, src, stopping=True)
         assert time.monotonic() - t0 < 60
         assert (tmp_path / "faults" / "checkpoints" / "step00000004").is_dir()
         err = capsys.readouterr().err
@@ -291,7 +291,7 @@ def test_a_stop_checkpoint_is_written_without_an_unreachable_redis(feed_cfg, red
         stop.clear()  # not stopping: the same outage is not swallowed (here: past a 1 s deadline)
         src.guard.deadline_seconds = 1.0
         with pytest.raises(DependencyOutage):
-            _checkpoint(trainer, src)
+            _checkpoint(trainer, src, stopping=False)
     finally:
         trainer.close()
 

@@ -187,7 +187,7 @@ def train_loop(
                 step_metrics.update({k: v for k, v in pub.items() if isinstance(v, float)})
             if trainer.step % cfg.trainer.checkpoint_interval == 0 or stop.is_set() or trainer.step >= cfg.run.total_steps:
                 with timer.phase("checkpoint"):
-                    _checkpoint(trainer, source, metrics)
+                    _checkpoint(trainer, source, metrics, stopping=stop.is_set())
             done_here += 1
             if trainer.rank == 0:
                 record = {"step": float(trainer.step), **plan.metrics, **step_metrics,
@@ -203,7 +203,7 @@ def train_loop(
                 if on_step is not None:
                     on_step(record)
         if reason == "stopped":
-            _checkpoint(trainer, source, metrics)
+            _checkpoint(trainer, source, metrics, stopping=True)
     finally:
         if jsonl is not None:
             jsonl.close()
@@ -236,22 +236,21 @@ def _combine(per_minibatch: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _checkpoint(trainer: Any, source: Any, metrics: Any = None) -> None:
+def _checkpoint(trainer: Any, source: Any, metrics: Any = None, stopping: bool = False) -> None:
     """Write a checkpoint (with the source's state); its write time and result go to
     ``asyncrl_trainer_checkpoint_duration_seconds`` / ``asyncrl_trainer_checkpoints_total``
-    when ``metrics`` (rank 0's TrainerMetrics) is given. Re-raises a failed write."""
-    from asyncrl.outage import DependencyOutage
+    when ``metrics`` (rank 0's TrainerMetrics) is given. Re-raises a failed write.
 
-    stopping = getattr(getattr(source, "stop", None), "is_set", lambda: False)()
+    ``stopping`` (the loop's stop is set): the source gives up on an unreachable Redis after its
+    stop grace (:class:`trainer.sources.BufferBatchSource`), and the checkpoint is then written
+    without the dataset cursor and without the commit — safe: commits are cumulative, and a
+    resume from this checkpoint does not hand its acknowledged groups out again
+    (docs/architecture.md#acknowledgement-and-recovery)."""
+    rank0_source = trainer.rank == 0 and source is not None
     state = None
-    if trainer.rank == 0 and source is not None and hasattr(source, "state_dict"):
-        try:
-            state = trainer.run_async(source.state_dict())
-        except DependencyOutage as exc:
-            if not stopping:
-                raise
-            print(f"{exc}; the stop's checkpoint of step {trainer.step} is written without the dataset cursor",
-                  file=sys.stderr, flush=True)
+    if rank0_source and hasattr(source, "state_dict"):
+        state = _buffer_call(trainer, source.state_dict, stopping,
+                             f"the stop's checkpoint of step {trainer.step} is written without the dataset cursor")
     start = time.perf_counter()
     try:
         trainer.save_checkpoint(state)
@@ -262,16 +261,23 @@ def _checkpoint(trainer: Any, source: Any, metrics: Any = None) -> None:
     if metrics is not None:
         metrics.checkpoint_duration.observe(time.perf_counter() - start)
         metrics.checkpoints.labels("ok").inc()
-    if trainer.rank == 0 and source is not None and hasattr(source, "commit"):
-        try:
-            trainer.run_async(source.commit(trainer.step))
-        except DependencyOutage as exc:
-            if not stopping:
-                raise
-            # safe: commits are cumulative, and a resume from this checkpoint does not hand its
-            # acknowledged groups out again (docs/architecture.md#acknowledgement-and-recovery)
-            print(f"{exc}; step {trainer.step} is checkpointed but not committed: the next checkpoint commits it",
-                  file=sys.stderr, flush=True)
+    if rank0_source and hasattr(source, "commit"):
+        _buffer_call(trainer, lambda: source.commit(trainer.step), stopping,
+                     f"step {trainer.step} is checkpointed but not committed: the next checkpoint commits it")
+
+
+def _buffer_call(trainer: Any, make: Callable[[], Any], stopping: bool, skipped: str) -> Any:
+    """``trainer.run_async(make())``; when stopping, an outage (DependencyOutage) is reported with
+    ``skipped`` and None returned instead of raised."""
+    from asyncrl.outage import DependencyOutage
+
+    try:
+        return trainer.run_async(make())
+    except DependencyOutage as exc:
+        if not stopping:
+            raise
+        print(f"{exc}; {skipped}", file=sys.stderr, flush=True)
+        return None
 
 
 def _export(metrics: Any, r: dict[str, float], trainer: Any) -> None:
