@@ -20,13 +20,17 @@ aggregation (TRL ``loss_type="dapo"``, asyncrl ``aggregation: token``).
   each step trains the same 6 groups x 8 samples and every phase gets both cores): the
   asynchronous default against asyncrl's own synchronous mode, with each run's phase timings
   (``asyncrl report``'s summary).
+- **asyncrl_dynamic** (the asynchronous default with DAPO dynamic sampling,
+  ``--rollout.dynamic_sampling true``): its time to the synchronous run's best accuracy beside
+  the default's, and the share of zero-variance groups over training in both runs
+  (``zero_variance``: [minutes, share of finished groups so far], from the controller's records).
 
 Both are scored by ``asyncrl eval`` on the same 400 held-out problems, sampled at T = 1 (the
 embedded engine; 95% Wilson intervals). "Time to X%" is the training wall time of the first
 evaluation at or above X (so it is resolved to the evaluation spacing). Output: one JSON with
 both curves and the ratios.
 
-Usage: ``/tmp/trlenv/bin/python bench/trl_compare.py --minutes 13 [--systems asyncrl,asyncrl_sync,trl]
+Usage: ``/tmp/trlenv/bin/python bench/trl_compare.py --minutes 13 [--systems asyncrl,asyncrl_dynamic,asyncrl_sync,trl]
 [--json F] [--plot F.png]``. The JSON is rewritten after each system, so an interrupted run keeps
 what finished; ``--replot --json F --plot F.png`` redraws the figure from a finished JSON.
 """
@@ -148,6 +152,9 @@ def _acc(r: dict) -> dict:
 
 #: asyncrl's synchronous mode on the main config (docs/results.md section 2).
 SYNC_ARGS = ["--partial_percent", "1", "--max_budget", "64", "--max_staleness", "0", "--rollout.rollout_batch_size", "6"]
+#: DAPO dynamic sampling on the asynchronous default (issue #16's measurement).
+DYNAMIC_ARGS = ["--rollout.dynamic_sampling", "true"]
+SYSTEMS = ("asyncrl", "asyncrl_dynamic", "asyncrl_sync", "trl")
 
 
 def run_asyncrl(out_dir: Path, name: str, seconds: float, eval_every: int, num_problems: int,
@@ -155,7 +162,9 @@ def run_asyncrl(out_dir: Path, name: str, seconds: float, eval_every: int, num_p
     """``asyncrl train`` on the main config for ``seconds`` of training.
 
     Returns (curve, summary): the periodic evaluations as [{minutes, step, accuracy, ci95_low,
-    ci95_high}] and ``asyncrl report``'s summary of the run (steps, phase medians, CPU shares).
+    ci95_high}] and ``asyncrl report``'s summary of the run (steps, phase medians, CPU shares),
+    with ``zero_variance``: [[minutes, share of the groups finished so far whose rewards were all
+    equal], ...] about every 30 s of training.
     Raises SystemExit when the run fails (its log is named).
     """
     from asyncrl.report import load_run, summarize
@@ -168,13 +177,18 @@ def run_asyncrl(out_dir: Path, name: str, seconds: float, eval_every: int, num_p
     if rc != 0:
         raise SystemExit(f"asyncrl train exited {rc}; see {out_dir / (name + '.log')}")
     curve = []
+    zero_variance: list[list[float]] = []
     for line in (out_dir / name / "metrics-controller.jsonl").read_text().splitlines():
         rec = json.loads(line) if line.strip() else {}
+        if "buffer/zero_variance_share" in rec and "wall_seconds" in rec and (
+                not zero_variance or rec["wall_seconds"] / 60.0 - zero_variance[-1][0] >= 0.5):
+            zero_variance.append([rec["wall_seconds"] / 60.0, rec["buffer/zero_variance_share"]])
         if "eval/accuracy_sampled" in rec:
             curve.append({"minutes": rec["wall_seconds"] / 60.0, "step": rec["step"],
                           "accuracy": rec["eval/accuracy_sampled"], "ci95_low": rec["eval/ci95_low"],
                           "ci95_high": rec["eval/ci95_high"]})
     summary = summarize(load_run(out_dir / name))
+    summary["zero_variance"] = zero_variance
     return curve, summary
 
 
@@ -200,9 +214,10 @@ def compare(report: dict) -> None:
     ``time_to_accuracy_minutes[level][system]``: minutes of training wall time of the system's
     first evaluation at or above ``level``. ``trl_over_asyncrl``: TRL's time / asyncrl's (> 1:
     asyncrl is sooner). ``sync_best``: the synchronous run's best accuracy and the time each
-    asyncrl mode needs to reach it; ``sync_over_async`` > 1 means asynchrony is sooner.
+    asyncrl mode needs to reach it; ``sync_over_async`` > 1 means asynchrony is sooner
+    (``dynamic_minutes``/``sync_over_dynamic``: the same for the run with dynamic sampling).
     """
-    systems = [k for k in ("asyncrl", "asyncrl_sync", "trl") if k in report]
+    systems = [k for k in SYSTEMS if k in report]
     report["time_to_accuracy_minutes"] = {
         f"{int(level * 100)}%": {k: time_to(report[k]["curve"], level) for k in systems} for level in THRESHOLDS}
     if "trl" in report and "asyncrl" in report:
@@ -214,6 +229,10 @@ def compare(report: dict) -> None:
         t_async = time_to(report["asyncrl"]["curve"], best["accuracy"])
         report["sync_best"] = {"accuracy": best["accuracy"], "sync_minutes": best["minutes"], "async_minutes": t_async,
                                "sync_over_async": best["minutes"] / t_async if t_async else None}
+        if "asyncrl_dynamic" in report:
+            t_dyn = time_to(report["asyncrl_dynamic"]["curve"], best["accuracy"])
+            report["sync_best"].update({"dynamic_minutes": t_dyn,
+                                        "sync_over_dynamic": best["minutes"] / t_dyn if t_dyn else None})
 
 
 def plot(report: dict, path: Path) -> None:
@@ -223,10 +242,11 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"asyncrl": "asyncrl (async default)", "asyncrl_sync": "asyncrl (synchronous knobs)",
+    labels = {"asyncrl": "asyncrl (async default)", "asyncrl_dynamic": "asyncrl (async, dynamic sampling)",
+              "asyncrl_sync": "asyncrl (synchronous knobs)",
               "trl": "TRL GRPOTrainer (synchronous)"}
     fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
-    for system, color in zip(("asyncrl", "asyncrl_sync", "trl"), ("tab:blue", "tab:orange", "tab:green")):
+    for system, color in zip(SYSTEMS, ("tab:blue", "tab:purple", "tab:orange", "tab:green")):
         if system not in report:
             continue
         curve = report[system]["curve"]
@@ -253,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num_problems", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--systems", default="asyncrl,asyncrl_sync,trl",
-                    help="comma-separated, in run order: asyncrl, asyncrl_sync, trl")
+                    help="comma-separated, in run order: " + ", ".join(SYSTEMS))
     ap.add_argument("--asyncrl_args", default="", help="extra flags for both asyncrl runs (space-separated)")
     ap.add_argument("--out_dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -269,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(report, args.plot)
         return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - {"asyncrl", "asyncrl_sync", "trl"}
+    unknown = set(systems) - set(SYSTEMS)
     if unknown:
-        ap.error(f"--systems: unknown {sorted(unknown)}; choose from asyncrl, asyncrl_sync, trl")
+        ap.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
 
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="trl_compare_"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -286,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if system == "trl":
             curve, summary = run_trl(out_dir, seconds, args.save_every, args.threads, args.num_problems)
         else:
-            extra = args.asyncrl_args.split() + (SYNC_ARGS if system == "asyncrl_sync" else [])
+            extra = args.asyncrl_args.split() + {"asyncrl_sync": SYNC_ARGS, "asyncrl_dynamic": DYNAMIC_ARGS}.get(system, [])
             curve, summary = run_asyncrl(out_dir, f"{system.replace('_', '-')}-vs-trl", seconds,
                                          args.asyncrl_eval_every, args.num_problems, extra)
         report[system] = {"curve": curve, "summary": summary, "real_seconds": time.perf_counter() - t0}
