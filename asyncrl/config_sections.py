@@ -544,6 +544,6 @@ class ResourcesConfig(_Section):
     """GPU ids for rollout servers (SGLang)."""
     trainer_gpus: list[int] | None = None
     """GPU ids for trainer ranks."""
-    core_sharing: Literal["split", "shared", "trainer_first", "rollout_first"] = "split"
-    """How asynchronous roles share the CPU cores when ``rollout_cores``/``trainer_cores`` are not set: ``split`` pins the trainer to the upper half and the rollout servers to the rest; the other modes give every role all cores (torch threads = all cores) so an idle role holds none, with the same priority (``shared``) or the other role at ``nice 19`` (``trainer_first``, ``rollout_first``). Synchronous configs always give every role all cores. docs/concepts.md compares them."""
+    core_sharing: Literal["split", "follow", "shared", "trainer_first", "rollout_first"] = "split"
+    """How asynchronous roles share the CPU cores when ``rollout_cores``/``trainer_cores`` are not set: ``split`` pins the trainer to the upper half and the rollout servers to the rest; ``follow`` keeps those thread counts but lets every role run on every core, and a rollout server takes the trainer's threads too while the trainer waits for a batch; the other modes give every role all cores (torch threads = all cores) so an idle role holds none, with the same priority (``shared``) or the other role at ``nice 19`` (``trainer_first``, ``rollout_first``). Synchronous configs always give every role all cores. docs/concepts.md compares them."""
 

@@ -10,9 +10,11 @@ trainer core 1. A synchronous config (``p = 1``, ``M â‰¥ max_response_len``, ``Î
 every role all cores, since generation and training alternate. The feeder and controller are
 light and not pinned; each role's torch threads = its number of cores.
 
-With ``resources.core_sharing`` other than ``split``, every role gets every core and one of
-them is niced (``trainer_first``: the rollout servers run at nice 19; ``rollout_first``: the
-trainer does).
+With ``resources.core_sharing`` ``shared``, ``trainer_first`` or ``rollout_first``, every role
+gets every core and one of them is niced (``trainer_first``: the rollout servers run at nice 19;
+``rollout_first``: the trainer does). With ``follow``, every role may run on every core but keeps
+the torch threads of its ``split`` half, and the rollout servers widen to the trainer's threads
+too while the trainer waits for a batch (:mod:`asyncrl.core_follow`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class Assignment:
         trainer_gpus: GPUs of the trainer ranks.
         eval_threads: torch threads of the held-out evaluation (all cores; roles are paused).
         rollout_nice, trainer_nice: nice values of the roles (``resources.core_sharing``).
+        rollout_threads, trainer_threads: torch threads per rollout server / of the trainer when
+            they differ from the number of cores a role may use (``follow``); None: one per core.
+        rollout_wide_threads: a rollout server's threads while the trainer waits (``follow``).
     """
 
     rollout_cores: list[list[int] | None]
@@ -46,14 +51,19 @@ class Assignment:
     eval_threads: int
     rollout_nice: int = 0
     trainer_nice: int = 0
+    rollout_threads: int | None = None
+    trainer_threads: int | None = None
+    rollout_wide_threads: int | None = None
 
     def describe(self) -> str:
         """One line for the log: ``rollout-0 cores [0]; trainer cores [1]`` (``, nice 19`` when lowered)."""
         nice = (lambda n: f", nice {n}" if n else "")  # noqa: E731
-        parts = [f"rollout-{i} cores {c if c is not None else 'all'}{nice(self.rollout_nice)}"
+        threads = (lambda n: f", {n} threads" if n else "")  # noqa: E731
+        wide = f" ({self.rollout_wide_threads} while the trainer waits)" if self.rollout_wide_threads else ""
+        parts = [f"rollout-{i} cores {c if c is not None else 'all'}{nice(self.rollout_nice)}{threads(self.rollout_threads)}{wide}"
                  for i, c in enumerate(self.rollout_cores)]
         parts.append(f"trainer cores {self.trainer_cores if self.trainer_cores is not None else 'all'}"
-                     f"{nice(self.trainer_nice)}")
+                     f"{nice(self.trainer_nice)}{threads(self.trainer_threads)}")
         if self.trainer_gpus is not None:
             parts.append(f"trainer gpus {self.trainer_gpus}")
         if any(g is not None for g in self.rollout_gpus):
@@ -85,11 +95,20 @@ def assign_resources(cfg: Any, available: list[int] | None = None, num_rollout: 
                 raise ControllerError(f"resources.{name}={chosen}: cores {missing or chosen} are not available "
                                       f"(this machine offers {cores})")
     rollout_nice = trainer_nice = 0
+    rollout_threads = trainer_threads = rollout_wide = None
     if res.rollout_cores is not None or res.trainer_cores is not None:
         rollout = res.rollout_cores or cores
         trainer = res.trainer_cores or cores
     elif cfg.is_synchronous or len(cores) == 1:
         rollout, trainer = cores, cores
+    elif res.core_sharing == "follow":
+        # every role on every core with the threads of its split half; the rollout servers take the
+        # trainer's threads too while it waits for a batch (asyncrl/core_follow.py)
+        k = max(1, len(cores) // 2)
+        rollout, trainer = cores, cores
+        trainer_threads = k
+        rollout_threads = max(1, (len(cores) - k) // n)
+        rollout_wide = rollout_threads + max(1, k // n)
     elif res.core_sharing != "split":
         # every role on every core; an idle role's threads sleep and hold nothing
         rollout, trainer = cores, cores
@@ -109,4 +128,7 @@ def assign_resources(cfg: Any, available: list[int] | None = None, num_rollout: 
         eval_threads=len(cores),
         rollout_nice=rollout_nice,
         trainer_nice=trainer_nice,
+        rollout_threads=rollout_threads,
+        trainer_threads=trainer_threads,
+        rollout_wide_threads=rollout_wide,
     )

@@ -43,6 +43,7 @@ def role_specs(cfg: Any, cfg_path: Path, env: dict[str, str], assignment: Assign
     ``env`` (:func:`child_env`) is every role's environment; the rollout servers move to free
     ports (announced in it) when another run holds ``rollout.base_port``.
     """
+    from asyncrl.core_follow import FLAG_ENV, WIDE_ENV
     from asyncrl.net import free_port_range, ports_free
     from asyncrl.supervisor import RoleSpec, http_health_check, role_command
 
@@ -65,24 +66,32 @@ def role_specs(cfg: Any, cfg_path: Path, env: dict[str, str], assignment: Assign
               file=sys.stderr)
         env["ASYNCRL_ROLLOUT__BASE_PORT"] = str(base_port)
     rollout_urls: list[str] = []
+    follow_flag = str(Path(cfg.run.run_dir) / "cores" / "trainer.idle")
     for i, cores in enumerate(assignment.rollout_cores):
         renv = dict(env)
         url = urls[i].rstrip("/") if urls else f"http://{cfg.rollout.host}:{base_port + i}"
         rollout_urls.append(url)
         if cores is not None and cfg.rollout.engine_threads is None:
-            renv["ASYNCRL_ROLLOUT__ENGINE_THREADS"] = str(len(cores))
+            renv["ASYNCRL_ROLLOUT__ENGINE_THREADS"] = str(assignment.rollout_threads or len(cores))
+        if assignment.rollout_wide_threads:  # resources.core_sharing: follow
+            renv.update({FLAG_ENV: follow_flag, WIDE_ENV: str(assignment.rollout_wide_threads)})
         specs.append(RoleSpec(f"rollout-{i}", role_command("rollout-server", *cfg_arg, "--server_index", str(i)),
                               env=renv, cores=cores, gpus=assignment.rollout_gpus[i], restart=True, stop_order=1,
                               fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=30.0,
                               health_check=http_health_check(url + "/health"), health_interval_seconds=5.0,
                               health_failures=6, nice=assignment.rollout_nice))
     tenv = dict(env)
+    if assignment.trainer_threads:  # fewer threads than the cores it may run on (follow)
+        threads = str(assignment.trainer_threads)
+        tenv.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)
+    if assignment.rollout_wide_threads:
+        tenv[FLAG_ENV] = follow_flag
     world = cfg.trainer.world_size
     if world > 1:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                 "-m", "asyncrl.cli", "trainer", *cfg_arg]
         if assignment.trainer_cores is not None:
-            tenv["OMP_NUM_THREADS"] = str(max(1, len(assignment.trainer_cores) // world))
+            tenv["OMP_NUM_THREADS"] = str(max(1, (assignment.trainer_threads or len(assignment.trainer_cores)) // world))
     else:
         argv = role_command("trainer", *cfg_arg)
     specs.append(RoleSpec("trainer", argv, env=tenv, cores=assignment.trainer_cores, gpus=assignment.trainer_gpus,

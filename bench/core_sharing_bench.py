@@ -12,7 +12,7 @@ Ratios are against ``split`` (the fixed halves the controller used before) run i
 Runs are sequential, so a machine shared with other work disturbs them unequally: the load
 average before each run is recorded; repeat with ``--repeats`` and read the best.
 
-Modes: the four ``core_sharing`` values of an asynchronous run; ``split_abort`` (``split`` with
+Modes: the five ``core_sharing`` values of an asynchronous run; ``split_abort`` (``split`` with
 ``--rollout.pause_mode abort``: every weight update aborts the in-flight samples, which are
 re-prefilled on resume, against the main config's ``in_place``); and ``sync``
 (``--partial_percent 1 --max_budget 64 --max_staleness 0 --rollout.rollout_batch_size 6``; a
@@ -20,7 +20,7 @@ synchronous config always gives both roles every core, since one of them always 
 ``--max_seconds`` bounds each run's training wall time (a mode that stalls is cut short and
 its figure is over the steps it reached).
 
-Usage: ``python bench/core_sharing_bench.py [--steps 14] [--modes split,split_abort,shared,trainer_first,rollout_first,sync]
+Usage: ``python bench/core_sharing_bench.py [--steps 14] [--modes split,follow,split_abort,shared,trainer_first,rollout_first,sync]
 [--json docs/bench/core_sharing.json]``.
 """
 
@@ -41,6 +41,7 @@ SYNC_FLAGS = ["--partial_percent", "1", "--max_budget", "64", "--max_staleness",
 #: every mode's flags on top of the config
 MODES = {
     "split": ["--resources.core_sharing", "split"],
+    "follow": ["--resources.core_sharing", "follow"],
     "split_abort": ["--resources.core_sharing", "split", "--rollout.pause_mode", "abort"],
     "shared": ["--resources.core_sharing", "shared"],
     "trainer_first": ["--resources.core_sharing", "trainer_first"],

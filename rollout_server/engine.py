@@ -193,7 +193,12 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
             "decode_steps_total": 0,
             "nonfinite_logits_total": 0,
             "request_errors_total": 0,  # requests failed alone by an error of their own (engine_outputs._fail_requests)
+            "follow_switches_total": 0,  # thread-count changes under resources.core_sharing: follow
         }
+        # resources.core_sharing: follow — all cores' threads while the trainer waits (asyncrl/core_follow.py)
+        from asyncrl.core_follow import follower_from_env
+
+        self.follower = follower_from_env(threads, torch.set_num_threads)
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.error: BaseException | None = None
 
@@ -291,6 +296,9 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
                         time.sleep(self.admission_wait_seconds)
                         self._drain_inbox(block=False)
                     self._apply_pending_updates()
+                    if self.follower is not None:  # between steps: an OpenMP team is never resized mid-operation
+                        self.follower.poll()
+                        self.stats["follow_switches_total"] = self.follower.switches
                     updated: list[EngineSample] = []
                     if self._paused is None:
                         updated += self._admit()

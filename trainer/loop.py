@@ -24,6 +24,7 @@ Determinism: micro-batch order depends only on the batch; seeds come from ``run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -147,6 +148,12 @@ def train_loop(
     from asyncrl.tracking import RunClock
 
     clock = RunClock(cfg.run.run_dir)  # evaluation stops recorded by the controller (none when run alone)
+    from asyncrl.core_follow import idle_flag_from_env
+
+    # resources.core_sharing: follow — rank 0 holds the idle flag while it waits for a batch
+    idle_flag = idle_flag_from_env() if trainer.rank == 0 else None
+    if idle_flag is not None:
+        idle_flag.clear()  # a killed trainer's flag would keep the rollout servers wide
     try:
         while trainer.step < cfg.run.total_steps:
             if max_steps is not None and done_here >= max_steps:
@@ -154,7 +161,7 @@ def train_loop(
                 break
             timer = PhaseTimer(metrics, clock)
             step_no = trainer.step + 1
-            with timer.phase("wait_batch"):
+            with timer.phase("wait_batch"), (idle_flag.waiting() if idle_flag is not None else contextlib.nullcontext()):
                 groups = None
                 if trainer.rank == 0 and not stop.is_set():
                     groups = _groups_of(trainer.run_async(source.next_batch(step_no)))
