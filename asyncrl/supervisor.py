@@ -45,7 +45,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = [
     "RoleSpec",
@@ -93,7 +93,13 @@ class RoleSpec:
             hung (SIGKILL, then the restart policy applies).
         cwd: working directory (None: the controller's).
         nice: added to the child's nice value (0-19; at 19 the kernel's fair scheduler gives it
-            weight 15 against 1024 at nice 0: it runs on cores other roles leave idle).
+            weight 15 against 1024 at nice 0: it runs on cores other roles leave idle). Each
+            role runs in its own session, and where the kernel groups sessions for scheduling
+            (``/proc/sys/kernel/sched_autogroup_enabled`` = 1, the default of most
+            distributions) a process's nice value only ranks it inside its own session's group;
+            so the value is also written to the role's ``/proc/self/autogroup``
+            (sched(7), "The autogroup feature"), without which a niced role still got an
+            equal share of the CPU.
     """
 
     name: str
@@ -233,6 +239,13 @@ def _make_preexec(cores: list[int] | None, nice: int = 0) -> Callable[[], None]:
             os.sched_setaffinity(0, core_set)
         if nice:
             os.nice(nice)
+            # after setsid the role is alone in a new autogroup, and a nice value only ranks a
+            # process inside its group: give the group the same nice (raising it needs no privilege)
+            try:
+                with open("/proc/self/autogroup", "w") as fh:
+                    fh.write(str(nice))
+            except OSError:  # no autogroup support (kernel without it, or not Linux): nice alone applies
+                pass
 
     return preexec
 

@@ -183,6 +183,10 @@ def test_nice_is_applied_and_checked(tmp_path):
         plain = sup.start(RoleSpec("trainer", py("import time; time.sleep(60)")))
         assert os.getpriority(os.PRIO_PROCESS, low.pid) == min(19, base + 19)
         assert os.getpriority(os.PRIO_PROCESS, plain.pid) == base
+        group = Path(f"/proc/{low.pid}/autogroup")
+        if group.exists():  # each role is its own session: its scheduling group carries the nice too
+            assert group.read_text().split()[-1] == "19", group.read_text()
+            assert Path(f"/proc/{plain.pid}/autogroup").read_text().split()[-1] == "0"
         with pytest.raises(SupervisorError, match="nice 20 is outside 0..19"):
             sup.start(RoleSpec("x", py("pass"), nice=20))
         sup.stop_all(grace_seconds=2)
