@@ -87,7 +87,7 @@ class ThreadFollower:
         self.wide_threads = int(wide_threads)
         self._set = set_threads
         self.threads = self.own_threads
-        #: how many times the thread count changed (``engine.stats["follow_switches"]``)
+        #: how many times the thread count changed (``engine.stats["follow_switches_total"]``)
         self.switches = 0
 
     def poll(self) -> int:
