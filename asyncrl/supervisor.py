@@ -35,6 +35,7 @@ beyond affinity and thread counts, and no cgroups (a role can still exceed its m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -93,13 +94,9 @@ class RoleSpec:
             hung (SIGKILL, then the restart policy applies).
         cwd: working directory (None: the controller's).
         nice: added to the child's nice value (0-19; at 19 the kernel's fair scheduler gives it
-            weight 15 against 1024 at nice 0: it runs on cores other roles leave idle). Each
-            role runs in its own session, and where the kernel groups sessions for scheduling
-            (``/proc/sys/kernel/sched_autogroup_enabled`` = 1, the default of most
-            distributions) a process's nice value only ranks it inside its own session's group;
-            so the value is also written to the role's ``/proc/self/autogroup``
-            (sched(7), "The autogroup feature"), without which a niced role still got an
-            equal share of the CPU.
+            weight 15 against 1024 at nice 0: it runs on cores other roles leave idle). It also
+            goes to the role's ``/proc/self/autogroup`` (sched(7)): each role is its own session,
+            and with autogroups on a nice value only ranks a process inside its session's group.
     """
 
     name: str
@@ -239,13 +236,10 @@ def _make_preexec(cores: list[int] | None, nice: int = 0) -> Callable[[], None]:
             os.sched_setaffinity(0, core_set)
         if nice:
             os.nice(nice)
-            # after setsid the role is alone in a new autogroup, and a nice value only ranks a
-            # process inside its group: give the group the same nice (raising it needs no privilege)
-            try:
-                with open("/proc/self/autogroup", "w") as fh:
-                    fh.write(str(nice))
-            except OSError:  # no autogroup support (kernel without it, or not Linux): nice alone applies
-                pass
+            # the role's own autogroup gets the nice too (raising it needs no privilege); without
+            # autogroup support (another kernel or OS) the nice value alone applies
+            with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as fh:
+                fh.write(str(nice))
 
     return preexec
 
