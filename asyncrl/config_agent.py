@@ -44,6 +44,8 @@ class AgentConfig(_Section):
     """On-policy self-distillation (``@opsd`` workflows, e.g. ``arithmetic_opsd``): an SGLang-compatible server holding the teacher (a reference model). None: the teacher is the policy itself on the rollout engine, given the privileged context."""
     opsd_coef: float | None = Field(None, gt=0.0, le=100.0)
     """On-policy self-distillation: the weight λ of each token's clipped teacher-minus-student log-ratio (``A_t = λ · clip(...)``). None: the decorator's own (``opsd(coef=...)``, default 1). With ``trainer.precomputed_advantages: add`` the weighted log-ratios are added to the group estimator's advantage (dense shaping on top of GRPO)."""
+    opsd_hint: Literal["system", "user"] | None = None
+    """On-policy self-distillation: where the teacher's privileged context goes. ``system``: a system message before the prompt; ``user``: appended to the prompt's last user message (on SmolLM2-135M the teacher then answers right twice as often, docs/agents.md). None: the decorator's own (``opsd(placement=...)``, default ``system``)."""
     episode_timeout_seconds: float = Field(600.0, gt=0.0)
     """Live seconds of one episode on one server; the next call past it ends the episode with termination ``timeout``. For ``openai_harness`` also the harness's limit: it is killed past it."""
     harness_command: list[Annotated[str, Field(min_length=1, max_length=4096)]] | None = Field(None, min_length=1, max_length=64)

@@ -329,6 +329,7 @@ class EpisodeRunner:
                              ended_at_token_limit=(finish == "length"))
         model.scorer = functools.partial(self._token_logprobs, live=live)
         model.opsd_coef = self.agent.opsd_coef
+        model.opsd_hint = getattr(self.agent, "opsd_hint", None)
         model.temperature = float(w.opts.temperature)
         if self.teacher is not None:
             model.teacher_scorer = functools.partial(self._token_logprobs, client=self.teacher, live=live)

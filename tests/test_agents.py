@@ -402,6 +402,52 @@ async def test_opsd_sets_teacher_minus_student_logratios(redis_url, server, toke
         assert any(abs(x) > 1e-3 for s in samples for x in s.advantages), "teacher and student never differed"
 
 
+def test_opsd_user_note_goes_at_the_end_of_the_last_user_message(tokenizer):
+    """agent.opsd_hint user: the hint is appended to the prompt's last user message (the prefill
+    after the assistant prompt kept); a prompt without a closed user message is refused."""
+    from asyncrl.agents.chat import ChatFormatError
+    from asyncrl.agents.opsd import opsd
+
+    chat = ChatFormat(tokenizer)
+    prompt = tokenizer.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "2 + 3"}],
+                                           tokenize=False, add_generation_prompt=True) + "2 + 3 ="
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    got = tokenizer.decode(chat.with_user_note_ids(ids, "(The answer is 5.)"))
+    assert got == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n2 + 3\n(The answer is 5.)<|im_end|>\n"
+                   "<|im_start|>assistant\n2 + 3 =")
+    with pytest.raises(ChatFormatError, match="opsd_hint: system"):
+        chat.with_user_note_ids(tokenizer("plain text, no template", add_special_tokens=False)["input_ids"], "x")
+    with pytest.raises(ValueError, match="placement"):
+        opsd(placement="assistant")
+
+
+async def test_opsd_user_hint_scores_the_teacher_with_the_note(redis_url, server, tokenizer, model_dir):
+    """With agent.opsd_hint user, the teacher's context is the prompt with the note in its user
+    message (not a system message), and the advantages are recomputed from it here."""
+    from asyncrl.models import load_causal_lm
+
+    async with await ReplayBuffer.open(redis_url, "ep7u", _settings()) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "distil"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:opsd_two_calls", opsd_hint="user")
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        group, samples = await buf.get_group("g0")
+        lm = load_causal_lm(model_dir)
+        teacher_prompt = ChatFormat(tokenizer).with_user_note_ids(group.prompt_ids, "secret hint")
+        assert "distil\nsecret hint<|im_end|>" in tokenizer.decode(teacher_prompt)
+        from rollout_server.testing import recompute_logprobs
+
+        for s in samples:
+            _, calls = episode_layout(s.segments, len(s.response_ids))
+            for a, b in calls:
+                before, target = s.response_ids[:a], s.response_ids[a:b]
+                teacher = recompute_logprobs(lm, teacher_prompt + before, target, 1.0)
+                student = recompute_logprobs(lm, group.prompt_ids + before, target, 1.0)
+                assert s.advantages[a:b] == pytest.approx([max(-0.5, min(0.5, t - u)) for t, u in zip(teacher, student)],
+                                                          abs=1e-4)
+        assert any(abs(x) > 1e-3 for s in samples for x in s.advantages)
+
+
 async def test_opsd_scores_a_call_cut_by_the_token_limit(redis_url, server, tokenizer, model_dir):
     """Before: an episode that reached rollout.max_response_len ended (token_limit) before the
     decorator scored it, so its tokens trained with advantage 0 and OPSD never pushed back on

@@ -149,6 +149,31 @@ class ChatFormat:
         text = self.messages_observation_text(messages, prefill, after_ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def with_user_note_ids(self, prompt_ids: Sequence[int], note: str) -> list[int]:
+        """A prompt with ``note`` appended to its last user message, tokenised once (an OPSD hint).
+
+        The prompt's text (decoded with its special tokens) must end with the template's close of
+        a user message and the assistant generation prompt, optionally followed by a prefill; the
+        note goes in front of that close, after a newline. Only the teacher reads the result; the
+        trained ids are never re-tokenised.
+
+        Returns:
+            (P + N,) token ids, about.
+
+        Raises:
+            ChatFormatError: the prompt has no user message closed by the template's delimiters.
+        """
+        marker = "\u2063USER\u2063"
+        gen = self.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                                 add_generation_prompt=True)
+        close = gen[gen.rfind(marker) + len(marker):]
+        text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        at = text.rfind(close) if close else -1
+        if at < 0:
+            raise ChatFormatError("the prompt has no user message closed by the chat template's delimiters; "
+                                  "put the OPSD hint in a system message instead (agent.opsd_hint: system)")
+        return list(self.tokenizer(text[:at] + "\n" + note + text[at:], add_special_tokens=False)["input_ids"])
+
     def message_ids(self, content: str, role: str = "system") -> list[int]:
         """One whole ``role`` message as the template renders it, tokenised once (for a hint prefix).
 

@@ -97,6 +97,8 @@ class EpisodeModel:
         self.teacher_scorer: Callable[[list[int], list[int]], Awaitable[list[float]]] | None = None
         #: OPSD's log-ratio weight from the config (``agent.opsd_coef``); None: the decorator's own
         self.opsd_coef: float | None = None
+        #: where OPSD puts the privileged context (``agent.opsd_hint``: system | user); None: the decorator's own
+        self.opsd_hint: str | None = None
         #: the sampling temperature of live calls (set by the rollout worker and ``asyncrl eval``; None: unknown)
         first = _shared.handles[0]
         self.temperature: float | None = first.temperature if first is not self else None

@@ -31,7 +31,10 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask, TokenLimit
 
-__all__ = ["opsd", "gold_answer_hint", "opsd_advantages"]
+__all__ = ["opsd", "gold_answer_hint", "gold_answer_note", "opsd_advantages", "PLACEMENTS"]
+
+#: where the privileged context goes: a system message before the prompt, or the end of the prompt's last user message
+PLACEMENTS = ("system", "user")
 
 
 def gold_answer_hint(task: EpisodeTask) -> str:
@@ -44,6 +47,19 @@ def gold_answer_hint(task: EpisodeTask) -> str:
     if gold is None:
         raise ValueError("OPSD's default teacher needs metadata['gold']; pass privileged=... to opsd()")
     return f"The correct final answer is {gold}. Answer as if you had worked it out yourself."
+
+
+def gold_answer_note(task: EpisodeTask) -> str:
+    """The default privileged context of ``placement="user"``: ``"(The answer is <gold>.)"``,
+    appended to the prompt's last user message.
+
+    Raises:
+        ValueError: the task has no ``gold`` in its metadata (give ``privileged=`` instead).
+    """
+    gold = task.metadata.get("gold")
+    if gold is None:
+        raise ValueError("OPSD's default teacher needs metadata['gold']; pass privileged=... to opsd()")
+    return f"(The answer is {gold}.)"
 
 
 def opsd_advantages(teacher: Sequence[float], student: Sequence[float], clip: float, coef: float = 1.0) -> list[float]:
@@ -63,14 +79,21 @@ def opsd_advantages(teacher: Sequence[float], student: Sequence[float], clip: fl
     return out
 
 
-def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: float = 5.0, coef: float = 1.0,
-         role: str = "system") -> Callable[[Callable[..., Awaitable[Episode]]], Callable[..., Awaitable[Episode]]]:
+def opsd(privileged: Callable[[EpisodeTask], str] | None = None, *, clip: float = 5.0, coef: float = 1.0,
+         role: str = "system", placement: str = "system"
+         ) -> Callable[[Callable[..., Awaitable[Episode]]], Callable[..., Awaitable[Episode]]]:
     """Decorate ``async def run(task, model, env)`` with on-policy self-distillation.
 
     Args:
-        privileged: builds the privileged text from the task; it is prepended to the episode's
-            prompt as a ``role`` message (ChatML: ``<|im_start|>system ... <|im_end|>``), so the
-            teacher sees ``hint + prompt + the student's tokens``.
+        privileged: builds the privileged text from the task. None: :func:`gold_answer_hint` for
+            ``placement="system"``, :func:`gold_answer_note` for ``"user"``.
+        placement: ``"system"``: the text is prepended to each trajectory's prompt as a ``role``
+            message (ChatML: ``<|im_start|>system ... <|im_end|>``), so the teacher sees
+            ``hint + prompt + the student's tokens``; ``"user"``: it is appended to the prompt's
+            last user message (:meth:`ChatFormat.with_user_note_ids`). ``agent.opsd_hint``
+            overrides it when set. Measured on SmolLM2-135M's arithmetic task: the policy told the
+            answer in the user message answers right 51% of the time, in a system message 26%
+            (the student: 21%) — a teacher that knows more is what OPSD needs.
         clip: c of the clipped log-ratio (nats), > 0.
         coef: weight λ of the clipped log-ratio, > 0 (``agent.opsd_coef`` overrides it when set).
             With ``trainer.precomputed_advantages: add`` the weighted log-ratios are added to the
@@ -82,8 +105,10 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
         ``advantages``. Without a scorer (``asyncrl eval``) the steps are left as they are.
 
     Raises:
-        ValueError: ``clip <= 0`` or ``coef <= 0``.
+        ValueError: ``clip <= 0``, ``coef <= 0`` or an unknown ``placement``.
     """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"opsd placement must be one of {PLACEMENTS}, got {placement!r}")
     if clip <= 0:
         raise ValueError(f"opsd clip must be > 0, got {clip}")
     if coef <= 0:
@@ -105,10 +130,15 @@ def opsd(privileged: Callable[[EpisodeTask], str] = gold_answer_hint, *, clip: f
         async def score(task: EpisodeTask, model: EpisodeModel) -> None:
             if model.scorer is None or not model.steps:
                 return
-            hint_ids = model.chat.message_ids(privileged(task), role)
+            where = placement if model.opsd_hint is None else str(model.opsd_hint)
+            if where not in PLACEMENTS:
+                raise ValueError(f"agent.opsd_hint must be one of {PLACEMENTS}, got {where!r}")
+            text = (privileged or (gold_answer_note if where == "user" else gold_answer_hint))(task)
+            hint_ids = model.chat.message_ids(text, role) if where == "system" else []
             weight = coef if model.opsd_coef is None else float(model.opsd_coef)
             for traj in model.trajectories:  # each trajectory's calls, with its own prompt
-                teacher_prompt = hint_ids + list(traj.prompt_ids)
+                teacher_prompt = (hint_ids + list(traj.prompt_ids) if where == "system"
+                                  else model.chat.with_user_note_ids(traj.prompt_ids, text))
                 for step in traj.steps:
                     target = list(step.output.token_ids)
                     if not target:
