@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 
 import pytest
 
@@ -590,3 +591,23 @@ def test_calculator_tool_and_call_format():
     assert env.calculator_call("23*47 = 1081") is None                       # later calls need their own tag
     assert env.calculator_call("so <calc>100 / 7</calc>") == "100 // 7"     # integer division
     assert env.calculator_call("Answer: 1081") is None
+
+
+def test_opsd_teacher_probe_scores_every_teacher_context(tmp_path, tiny_model_dir):
+    """bench/opsd_teacher_probe.py on the tiny model: the student and the three teacher contexts
+    (system message, user note, the task's system prompt) are sampled, scored and written."""
+    import importlib.util
+    import json as _json
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("opsd_teacher_probe", root / "bench" / "opsd_teacher_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    out = tmp_path / "probe.json"
+    assert probe.main(["--config", str(root / "configs" / "tiny.yaml"), "--model", str(tiny_model_dir),
+                       "--problems", "2", "--samples", "2", "--json", str(out)]) == 0
+    got = _json.loads(out.read_text())
+    assert set(got["sampled_accuracy"]) == {"student", "system message (opsd_hint system)", "user note (opsd_hint user)",
+                                            "appended to the task's system prompt"}
+    assert all(0.0 <= a <= 1.0 for a in got["sampled_accuracy"].values())
+    assert set(got["logratio_mean_per_token"]) == set(got["sampled_accuracy"]) - {"student"}
