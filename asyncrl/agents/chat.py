@@ -158,7 +158,8 @@ class ChatFormat:
         trained ids are never re-tokenised.
 
         Returns:
-            (P + N,) token ids, about.
+            (P',) token ids: the prompt's text with the note inside, tokenised once (P' is about P
+            plus the note's length; the teacher's context need not share the student's ids).
 
         Raises:
             ChatFormatError: the prompt has no user message closed by the template's delimiters.
