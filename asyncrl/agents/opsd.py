@@ -37,16 +37,21 @@ __all__ = ["opsd", "gold_answer_hint", "gold_answer_note", "opsd_advantages", "P
 PLACEMENTS = ("system", "user")
 
 
+def _gold(task: EpisodeTask) -> Any:
+    """The task's gold answer, for the default privileged contexts; ValueError when it has none."""
+    gold = task.metadata.get("gold")
+    if gold is None:
+        raise ValueError("OPSD's default teacher needs metadata['gold']; pass privileged=... to opsd()")
+    return gold
+
+
 def gold_answer_hint(task: EpisodeTask) -> str:
     """The default privileged context: a system message stating the task's gold answer.
 
     Raises:
         ValueError: the task has no ``gold`` in its metadata (give ``privileged=`` instead).
     """
-    gold = task.metadata.get("gold")
-    if gold is None:
-        raise ValueError("OPSD's default teacher needs metadata['gold']; pass privileged=... to opsd()")
-    return f"The correct final answer is {gold}. Answer as if you had worked it out yourself."
+    return f"The correct final answer is {_gold(task)}. Answer as if you had worked it out yourself."
 
 
 def gold_answer_note(task: EpisodeTask) -> str:
@@ -56,10 +61,7 @@ def gold_answer_note(task: EpisodeTask) -> str:
     Raises:
         ValueError: the task has no ``gold`` in its metadata (give ``privileged=`` instead).
     """
-    gold = task.metadata.get("gold")
-    if gold is None:
-        raise ValueError("OPSD's default teacher needs metadata['gold']; pass privileged=... to opsd()")
-    return f"(The answer is {gold}.)"
+    return f"(The answer is {_gold(task)}.)"
 
 
 def opsd_advantages(teacher: Sequence[float], student: Sequence[float], clip: float, coef: float = 1.0) -> list[float]:
