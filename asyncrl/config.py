@@ -139,6 +139,9 @@ class AsyncRLConfig(_Section):
         if r.dynamic_sampling and r.n_samples_per_prompt < 2:
             raise ValueError("rollout.dynamic_sampling drops groups whose rewards are all equal, which every group "
                              "of one sample is: set rollout.n_samples_per_prompt >= 2 or turn it off")
+        if self.data.selective_rollout.enabled and r.n_samples_per_prompt < 2:
+            raise ValueError("data.selective_rollout skips prompts predicted to give zero-variance groups, which every "
+                             "group of one sample is: set rollout.n_samples_per_prompt >= 2 or turn it off")
         if loss.overlong_buffer_len >= r.max_response_len:
             raise ValueError(
                 f"trainer.loss.overlong_buffer_len={loss.overlong_buffer_len} must be below rollout.max_response_len="

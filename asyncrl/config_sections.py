@@ -18,7 +18,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 __all__ = [
-    "train_batch_groups", "RunConfig", "ModelConfig", "ArithmeticConfig", "DataConfig", "RolloutConfig",
+    "train_batch_groups", "RunConfig", "ModelConfig", "ArithmeticConfig", "SelectiveRolloutConfig", "DataConfig",
+    "RolloutConfig",
     "StalePolicy", "BufferConfig", "LossConfig", "OptimizerConfig", "GAEConfig", "CriticConfig",
     "KLControlConfig", "ReferenceConfig", "TrainerConfig", "WeightSyncConfig", "MonitoringConfig",
     "SecurityConfig", "ResourcesConfig", "RewardModelConfig", "RewardConfig",
@@ -105,6 +106,32 @@ class ArithmeticConfig(_Section):
         return list(self.digits) if isinstance(self.digits, list) else [self.digits] * self.n_terms
 
 
+class SelectiveRolloutConfig(_Section):
+    """Skip prompts predicted to give zero-variance groups before generating them (``data.selective_rollout.*``).
+
+    GRESO's probabilistic pre-rollout filter (Zheng et al. 2025, "Act Only When It Pays", arXiv:2506.02177;
+    its reference code ``easy_probabilistic_skip`` / ``hard_probabilistic_skip``): a prompt whose last ``z``
+    finished groups in a row were all-correct ("easy") or all-wrong ("hard") is skipped at its next visit
+    with probability ``1 - max(p**z, explore_floor)``, ``p`` = ``p_easy`` or ``p_hard``. The buffer records
+    the streaks when groups finish; the feeder decides with a draw that is a pure function of
+    (``data.seed``, problem, epoch) and counts a skip as ``skipped_prompts:zero_variance_predicted``
+    (docs/buffer.md#selective-rollout-skipping-predicted-zero-variance-prompts). Off by default.
+    """
+
+    enabled: bool = False
+    """Turn the rule on (needs ``rollout.n_samples_per_prompt >= 2``: a group of one sample always has zero variance)."""
+    p_easy: float = Field(0.5, gt=0.0, le=1.0)
+    """GRESO's exploration probability for all-correct prompts: after ``z`` all-correct groups in a row the prompt is fed with probability ``max(p_easy**z, explore_floor)`` (GRESO's scripts start at 0.5; 1: never skip easy prompts)."""
+    p_hard: float = Field(0.5, gt=0.0, le=1.0)
+    """The same for all-wrong prompts (1: never skip hard prompts)."""
+    explore_floor: float = Field(0.05, gt=0.0, le=1.0)
+    """Lowest probability with which a predicted prompt is still fed at a visit (p_min > 0: no prompt's skip probability reaches 1; GRESO's code uses 0.01; 1: the rule never skips)."""
+    max_consecutive_skips: int = Field(10, ge=1, le=100_000)
+    """Hard exploration floor: a prompt skipped at this many visits in a row (since its last finished group) is fed at the next one, whatever the draw."""
+    easy_reward_threshold: float = Field(0.5, ge=-1e9, le=1e9)
+    """A zero-variance group whose common (raw) reward is >= this is all-correct ("easy"), below it all-wrong ("hard"); 0.5 fits the 0/1 correctness reward (raise it above the format bonus with ``format_reward_weight``)."""
+
+
 class DataConfig(_Section):
     """Prompts and rewards (``data.*``)."""
 
@@ -144,6 +171,8 @@ class DataConfig(_Section):
     """Most prompts the pass-rate filter removes per epoch, as a share of the prompts still in the stream (AReaL ``dataset_max_filter_percentage``; 0: the filter is off; at least one prompt always stays)."""
 
 
+    selective_rollout: SelectiveRolloutConfig = SelectiveRolloutConfig()
+    """Skip prompts predicted to give zero-variance groups before generation (GRESO, arXiv:2506.02177); composes with the pass-rate filter and with ``rollout.dynamic_sampling``."""
 # ----------------------------------------------------------------------------------------------
 # reward model
 

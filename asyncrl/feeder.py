@@ -25,7 +25,11 @@ With best-of-n each group asks for ``rollout.generation_size`` samples. With the
 dataset filter (``data.dataset_max_filter_percentage`` > 0, :mod:`asyncrl.prompt_filter`) the
 positions of removed prompts are skipped: one feed call feeds a run of kept prompts and moves
 the cursor past the removed ones right after it (counted ``skipped_prompts:pass_rate_filter``),
-never across an epoch boundary, where the filter runs first.
+never across an epoch boundary, where the filter runs first. With selective rollout
+(``data.selective_rollout.enabled``, :mod:`asyncrl.selective_rollout`, GRESO) the positions of
+prompts predicted to give zero-variance groups are skipped the same way (counted
+``skipped_prompts:zero_variance_predicted``), and each group's metadata carries its train
+``problem_index`` so that the buffer can update the problem's history when the group finishes.
 """
 
 from __future__ import annotations
@@ -61,18 +65,21 @@ class Feeder:
         target_pending: groups kept pending (default: R).
         max_prompt_tokens: longest prompt allowed (context − ``max_response_len``); None: no check.
         prompt_filter: an :class:`asyncrl.prompt_filter.PassRateFilter`, or None (no filter).
+        selective: an :class:`asyncrl.selective_rollout.SelectiveRollout`, or None (no selective rollout).
     """
 
     def __init__(self, buffer: Any, stream: Any, n_samples: int, target_pending: int,
-                 max_prompt_tokens: int | None = None, prompt_filter: Any = None) -> None:
+                 max_prompt_tokens: int | None = None, prompt_filter: Any = None, selective: Any = None) -> None:
         self.buffer = buffer
         self.stream = stream
         self.n_samples = n_samples
         self.target_pending = target_pending
         self.max_prompt_tokens = max_prompt_tokens
         self.prompt_filter = prompt_filter if prompt_filter is not None and prompt_filter.enabled else None
+        self.selective = selective if selective is not None and selective.enabled else None
         self.fed_groups = 0
-        self.skipped_prompts = 0
+        self.skipped_prompts = 0  # by either rule
+        self.predicted_skips = 0  # of those, by the selective-rollout rule
 
     def groups_at(self, cursor: int, count: int) -> list[Any]:
         """The prompt groups for dataset positions ``cursor .. cursor + count - 1``.
@@ -91,8 +98,10 @@ class Feeder:
                     f"only {self.max_prompt_tokens} fit the model's context: lower --max_response_len or "
                     f"use shorter prompts"
                 )
-            groups.append(PromptGroup(group_id_for(c), list(prompt.prompt_ids), dict(prompt.problem.metadata),
-                                      self.n_samples))
+            meta = dict(prompt.problem.metadata)
+            if self.selective is not None:  # score.lua updates this problem's history when the group finishes
+                meta["problem_index"] = self.stream.problem_index(c)
+            groups.append(PromptGroup(group_id_for(c), list(prompt.prompt_ids), meta, self.n_samples))
         return groups
 
     async def feed_once(self) -> int:
@@ -108,32 +117,60 @@ class Feeder:
         if missing <= 0:
             return 0
         cursor = await self.buffer.dataset_cursor()
-        skip = 0
-        if self.prompt_filter is None:
+        skip, predicted = 0, []
+        if self.prompt_filter is None and self.selective is None:
             groups = self.groups_at(cursor, missing)
         else:
-            await self.prompt_filter.refresh(cursor)
-            kept, skip = self._plan(cursor, missing)
+            if self.prompt_filter is not None:
+                await self.prompt_filter.refresh(cursor)
+            kept, skip, predicted = await self._plan(cursor, missing)
             groups = self.groups_at(cursor, kept)
         try:
-            await self.buffer.feed(groups, cursor, skip=skip)
+            if predicted:
+                await self.buffer.feed(groups, cursor, skip=skip, predicted=predicted)
+            else:
+                await self.buffer.feed(groups, cursor, skip=skip)
         except CursorMismatch:
             return 0
         self.fed_groups += len(groups)
-        self.skipped_prompts += skip
-        return len(groups) + skip
+        self.skipped_prompts += skip + len(predicted)
+        self.predicted_skips += len(predicted)
+        return len(groups) + skip + len(predicted)
 
-    def _plan(self, cursor: int, count: int) -> tuple[int, int]:
-        """(prompts kept from ``cursor`` on, removed prompts right after them): at most ``count``
-        kept, stopping at the end of the epoch (the filter runs again there)."""
+    async def _plan(self, cursor: int, count: int) -> tuple[int, int, list[tuple[int, str]]]:
+        """(prompts kept from ``cursor`` on, prompts the pass-rate filter removed right after them,
+        ``(problem, kind)`` of the prompts the selective rule skips among those): at most ``count``
+        kept, stopping at the end of the epoch (the filter runs again there). The skipped run after
+        the kept prompts may mix both reasons; it ends at the next kept prompt."""
         epoch_end = (cursor // len(self.stream) + 1) * len(self.stream)
-        c, kept = cursor, 0
-        while c < epoch_end and kept < count and not self.prompt_filter.skips(c):
-            c, kept = c + 1, kept + 1
-        end = c
-        while end < epoch_end and self.prompt_filter.skips(end):
-            end += 1
-        return kept, end - c
+        c, kept, skip, predicted = cursor, 0, 0, []
+        while c < epoch_end:
+            stop = min(epoch_end, c + max(count - kept, 0) + 64)  # one buffer round trip per chunk
+            for problem, reason in await self._reasons(c, stop):
+                if reason is None:
+                    if skip or predicted or kept >= count:
+                        return kept, skip, predicted
+                    kept += 1
+                elif reason == "filter":
+                    skip += 1
+                else:
+                    predicted.append((problem, reason))
+                c += 1
+        return kept, skip, predicted
+
+    async def _reasons(self, start: int, stop: int) -> list[tuple[int, str | None]]:
+        """``(problem, reason)`` for positions ``start .. stop - 1``: ``filter`` (removed by the
+        pass-rate filter), ``easy`` / ``hard`` (skipped by the selective rule) or None (fed)."""
+        problems = [self.stream.problem_index(c) for c in range(start, stop)]
+        if self.selective is not None:
+            decided = await self.selective.decisions(start, stop)
+        else:
+            decided = [None] * len(problems)
+        out = []
+        for c, problem, d in zip(range(start, stop), problems, decided):
+            filtered = self.prompt_filter is not None and self.prompt_filter.skips(c)
+            out.append((problem, "filter" if filtered else d))
+        return out
 
     async def run(self, stop: asyncio.Event, poll_seconds: float = 0.1, guard: Any = None) -> None:
         """Feed until ``stop`` is set.
@@ -189,15 +226,20 @@ async def _run(cfg: Any) -> int:
     try:
         from asyncrl.prompt_filter import PassRateFilter
 
+        from asyncrl.selective_rollout import SelectiveRollout
+
         prompt_filter = PassRateFilter(buf, stream, cfg.data.dataset_filter_threshold,
                                        cfg.data.dataset_max_filter_percentage)
+        selective = SelectiveRollout(buf, stream, cfg.data.selective_rollout)
         feeder = Feeder(buf, stream, buf.settings.samples_generated, cfg.rollout.rollout_batch_size,
-                        max_prompt_tokens=context - cfg.rollout.max_response_len, prompt_filter=prompt_filter)
+                        max_prompt_tokens=context - cfg.rollout.max_response_len, prompt_filter=prompt_filter,
+                        selective=selective)
         cursor = await guard.call(buf.dataset_cursor, "reading the dataset cursor", give_up=stop.is_set)
         print(f"asyncrl feeder: feeding run {cfg.run.name!r} from cursor {cursor}", flush=True)
         await feeder.run(stop, guard=guard)
         with contextlib.suppress(Exception):  # the last line is informative only
-            print(f"asyncrl feeder: stopped after feeding {feeder.fed_groups} groups; cursor "
+            print(f"asyncrl feeder: stopped after feeding {feeder.fed_groups} groups and skipping "
+                  f"{feeder.skipped_prompts} prompts ({feeder.predicted_skips} predicted zero-variance); cursor "
                   f"{await buf.dataset_cursor()}", flush=True)
     except DependencyOutage as exc:
         if stop.is_set():

@@ -171,7 +171,7 @@ def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
     """Check that every prompt group fed to the buffer is accounted for (no sample lost).
 
     ``fed = trained + in the buffer + dropped``: ``fed`` is the feeder's dataset cursor (one
-    group per prompt) less the prompts the pass-rate filter skipped (``skipped_prompts:*``),
+    group per prompt) less the prompts skipped by the pass-rate filter or selective rollout (``skipped_prompts:*``),
     ``trained`` the groups acknowledged by the trainer and committed by a
     checkpoint (deleted from Redis then), ``in the buffer`` every live group by state (pending,
     generating, ready, batched, acked-not-yet-committed), ``dropped`` the groups dropped with a
@@ -196,7 +196,11 @@ def reconcile_groups(stats: dict[str, Any]) -> tuple[bool, str]:
     text = (f"fed {fed} {'=' if ok else '!='} trained and committed {trained} + in the buffer {live} {by_state} "
             f"+ dropped {dropped}")
     if skipped:
-        text += f"; dataset cursor {cursor} = fed {fed} + prompts skipped by the pass-rate filter {skipped}"
+        names = {"pass_rate_filter": "by the pass-rate filter",
+                 "zero_variance_predicted": "by selective rollout (predicted zero variance)"}
+        parts = [f"{names.get(k.split(':', 1)[1], 'for ' + k.split(':', 1)[1])} {int(v)}"
+                 for k, v in sorted(counters.items()) if k.startswith("skipped_prompts:") and int(v)]
+        text += f"; dataset cursor {cursor} = fed {fed} + prompts skipped " + " + ".join(parts)
     if int(counters.get("discarded_best_of_n", 0)):
         text += f"; best-of-n discarded {int(counters['discarded_best_of_n'])} samples of trained groups"
     return ok, text
@@ -322,7 +326,7 @@ class BufferWatcher:
             "buffer/appended_tokens": counters.get("appended_tokens", 0),
             "buffer/acked_groups": counters.get("acked_groups", 0),
         }
-        # best-of-n, dynamic sampling, pass-rate filter (buffers.inspection.sampling_counts):
+        # best-of-n, dynamic sampling, pass-rate filter, selective rollout (buffers.inspection.sampling_counts):
         # zero_variance_share is over every group finished so far, whether or not it was dropped
         for key, value in st.get("sampling", {}).items():
             m[f"buffer/{key}"] = value

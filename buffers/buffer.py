@@ -220,12 +220,17 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         """Groups fed but not admitted yet (feed while this is below R)."""
         return int(await self.redis.llen(self.prefix + "pending"))
 
-    async def feed(self, groups: Sequence[PromptGroup], start_cursor: int, skip: int = 0) -> int:
-        """Append ``groups`` and move the dataset cursor to ``start_cursor + len(groups) + skip``, atomically.
+    async def feed(self, groups: Sequence[PromptGroup], start_cursor: int, skip: int = 0,
+                   predicted: Sequence[tuple[int, str]] = ()) -> int:
+        """Append ``groups`` and move the dataset cursor to ``start_cursor + len(groups) + skip +
+        len(predicted)``, atomically.
 
         ``skip``: dataset positions right after the groups that are not fed because the pass-rate
-        filter removed their prompts (counted ``skipped_prompts:pass_rate_filter``), so that
-        cursor = groups fed + prompts skipped.
+        filter removed their prompts (counted ``skipped_prompts:pass_rate_filter``); ``predicted``:
+        ``(train problem index, "easy" | "hard")`` of the positions after the groups that the
+        selective-rollout rule skipped (:mod:`asyncrl.selective_rollout`; counted
+        ``skipped_prompts:zero_variance_predicted`` and ``predicted_skips:<kind>``, and each
+        problem's ``prompt_skips`` += 1). So cursor = groups fed + prompts skipped, by reason.
 
         Returns:
             the new cursor.
@@ -233,10 +238,17 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         Raises:
             CursorMismatch: the stored cursor is not ``start_cursor`` (nothing written).
             DuplicateItem: a group id exists already (nothing written).
-            BadRequest: bad group id, empty prompt, n outside [1, 1024] or a negative ``skip``.
+            BadRequest: bad group id, empty prompt, n outside [1, 1024], a negative ``skip``, or a
+                predicted skip with a negative problem index or a kind other than easy/hard.
         """
         if skip < 0:
             raise BadRequest(f"skip must be >= 0, got {skip}")
+        pred_args: list[Any] = [len(predicted)]
+        for problem, kind in predicted:
+            if not isinstance(problem, int) or problem < 0 or kind not in ("easy", "hard"):
+                raise BadRequest(f"predicted skip ({problem!r}, {kind!r}) needs a problem index >= 0 and kind "
+                                 f"'easy' or 'hard'")
+            pred_args += [problem, kind]
         args: list[Any] = [int(start_cursor), len(groups)]
         for g in groups:
             if not GROUP_ID.match(g.group_id):
@@ -248,7 +260,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
             args += [g.group_id, pack_i32(g.prompt_ids), json.dumps(g.metadata), int(g.n_samples)]
         if len({g.group_id for g in groups}) != len(groups):
             raise BadRequest("feed got the same group_id twice")
-        return int(await self._run("feed", *args, int(skip)))
+        return int(await self._run("feed", *args, int(skip), *pred_args))
 
     def make_group(self, group_id: str, prompt_ids: Sequence[int], metadata: dict | None = None) -> PromptGroup:
         """A :class:`PromptGroup` generating this run's ``samples_generated`` (G with best-of-n, else n)."""

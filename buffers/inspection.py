@@ -20,20 +20,30 @@ __all__ = ["BufferInspection", "sampling_counts"]
 
 
 def sampling_counts(counters: dict[str, int]) -> dict[str, Any]:
-    """Best-of-n, dynamic sampling and pass-rate filter counts from the buffer's ``stats`` counters.
+    """Best-of-n, dynamic sampling, pass-rate filter and selective-rollout counts from the buffer's ``stats`` counters.
 
     ``zero_variance_share`` = groups whose trained samples all had the same reward / groups that
     finished with at least min(2, n) scored samples (counted whether or not dynamic sampling drops
-    them; 0.0 before any group finished).
+    them; 0.0 before any group finished). ``predicted_skip_share`` = prompts the selective-rollout
+    rule skipped / (groups fed + those prompts) (0.0 before any feed). The useful (non-zero-variance)
+    share of generated groups is ``1 - zero_variance_share``.
     """
     finished = counters.get("finished_groups", 0)
     zero = counters.get("zero_variance_groups", 0)
+    predicted = counters.get("skipped_prompts:zero_variance_predicted", 0)
+    visits = counters.get("fed", 0) + predicted
     return {
         "finished_groups": finished,
         "zero_variance_groups": zero,
         "zero_variance_share": zero / finished if finished else 0.0,
         "discarded_best_of_n": counters.get("discarded_best_of_n", 0),
         "skipped_prompts": sum(v for k, v in counters.items() if k.startswith("skipped_prompts:")),
+        # selective rollout (asyncrl.selective_rollout): visits skipped before generation, by kind,
+        # and their share of the visits the rule saw (groups fed + predicted skips)
+        "skipped_zero_variance_predicted": predicted,
+        "predicted_skips_easy": counters.get("predicted_skips:easy", 0),
+        "predicted_skips_hard": counters.get("predicted_skips:hard", 0),
+        "predicted_skip_share": predicted / visits if visits else 0.0,
     }
 
 _SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort", 6: "turn", 7: "obs", 8: "ctx"}

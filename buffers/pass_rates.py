@@ -11,16 +11,39 @@ feeder is its only writer. Keys of the run (docs/buffer.md#pass-rate-dataset-fil
   ``filter_epoch`` (the last epoch the filter ran for): written together in one transaction,
   so a resumed run (same Redis, AOF) keeps the removed prompts out and never filters an epoch twice.
 
+The selective-rollout rule (:mod:`asyncrl.selective_rollout`; docs/buffer.md#selective-rollout-skipping-predicted-zero-variance-prompts)
+reads two more hashes, both keyed by train problem index:
+
+* ``prompt_history`` -> ``"z r cursor base_z base_r"``: the zero-variance streak of the problem's
+  finished groups, written by ``lua/score.lua`` when a group finishes and ``record_prompt_history`` is set.
+* ``prompt_skips`` -> visits skipped in a row since its last finished group: incremented by
+  ``lua/feed.lua`` for each predicted skip, cleared by ``lua/score.lua`` when a group of it finishes.
+
 :class:`PassRateStore` is a base of :class:`buffers.ReplayBuffer` (it needs ``redis`` and ``prefix``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 from buffers.scripts import _s
 
-__all__ = ["PassRateStore"]
+__all__ = ["PassRateStore", "PromptHistory"]
+
+
+class PromptHistory(NamedTuple):
+    """One train problem's record for the selective-rollout rule.
+
+    Attributes:
+        streak: finished visits in a row (the latest included) whose groups were zero-variance with the
+            same common reward; 0 when the latest was mixed or none finished.
+        reward: that common raw reward (None when ``streak`` is 0).
+        skips: visits skipped in a row by the rule since the problem's last finished group.
+    """
+
+    streak: int
+    reward: float | None
+    skips: int
 
 
 class PassRateStore:
@@ -49,6 +72,30 @@ class PassRateStore:
         """Train problem index -> the latest mean reward of one of its groups."""
         raw = await self.redis.hgetall(self.prefix + "prompt_pass_rate")
         return {int(k): float(v) for k, v in raw.items()}
+
+    async def prompt_histories(self, problems: Sequence[int]) -> dict[int, PromptHistory]:
+        """``problem -> PromptHistory`` for each of ``problems`` (streak 0 and skips 0 without a record).
+
+        One round trip (two ``HMGET``). A damaged ``prompt_history`` entry reads as no history.
+        """
+        keys = [str(int(p)) for p in problems]
+        if not keys:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.prefix + "prompt_history", keys)
+            pipe.hmget(self.prefix + "prompt_skips", keys)
+            hist, skips = await pipe.execute()
+        out: dict[int, PromptHistory] = {}
+        for key, h, s in zip(keys, hist, skips):
+            streak, reward = 0, None
+            parts = _s(h).split(" ") if h is not None else []
+            if len(parts) == 5 and parts[0].isdigit() and int(parts[0]) > 0:
+                try:
+                    streak, reward = int(parts[0]), float(parts[1])
+                except ValueError:
+                    streak, reward = 0, None
+            out[int(key)] = PromptHistory(streak, reward, int(s) if s is not None else 0)
+        return out
 
     async def filter_epoch(self) -> int:
         """The last epoch the pass-rate filter ran for (0: never)."""

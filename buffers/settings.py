@@ -46,8 +46,11 @@ class BufferSettings:
             arXiv:2503.14476, section 3.2); ``rollout.dynamic_sampling``.
         record_pass_rates: record each finished group's mean reward in ``pass_rates`` for the
             feeder's pass-rate dataset filter (on when ``data.dataset_max_filter_percentage`` > 0).
+        record_prompt_history: when a group finishes, update its train problem's zero-variance streak in
+            ``prompt_history`` (and clear its ``prompt_skips``) for the selective-rollout rule (GRESO,
+            arXiv:2506.02177; on when ``data.selective_rollout.enabled``; :mod:`asyncrl.selective_rollout`).
 
-    These three are not Lua arguments: the scripts read them from the stored settings JSON
+    These four are not Lua arguments: the scripts read them from the stored settings JSON
     when a group finishes (``run_settings()`` in ``lua/settings.lua``).
 
     Raises:
@@ -67,6 +70,7 @@ class BufferSettings:
     generation_size: int = 0
     dynamic_sampling: bool = False
     record_pass_rates: bool = False
+    record_prompt_history: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -112,6 +116,7 @@ class BufferSettings:
             generation_size=r.generation_size or 0,
             dynamic_sampling=r.dynamic_sampling,
             record_pass_rates=cfg.data.dataset_max_filter_percentage > 0,
+            record_prompt_history=cfg.data.selective_rollout.enabled,
         )
 
     @classmethod

@@ -4,7 +4,9 @@
 -- When the group finishes (finish_group): best-of-n keeps the best NSAMP scored samples of a group
 -- of n > NSAMP (the rest DISCARDED, counted discarded_best_of_n); a group whose kept rewards are
 -- all equal is counted zero_variance_groups and, with dynamic sampling, dropped (zero_variance);
--- with record_pass_rates the group's mean reward over every scored sample goes to pass_rates.
+-- with record_pass_rates the group's mean reward over every scored sample goes to pass_rates;
+-- with record_prompt_history the group's train problem (metadata problem_index) gets its zero-variance
+-- streak updated in prompt_history and its consecutive skips cleared (selective rollout, GRESO).
 -- A failed sample is counted in failed_samples and in failed_samples:<reason> (reward_timeout when
 -- the error starts with 'RewardTimeout:', workflow_error when it starts with 'WorkflowError:' (an
 -- episode's workflow raised, docs/agents.md), reward_model when it starts with 'RewardModelError:'
@@ -14,11 +16,44 @@
 -- Result per item: the group state string, or the error string '!<CODE> <message>'.
 local function fail(code, msg) return '!' .. code .. ' ' .. msg end
 local _cfg
--- The stored settings (JSON, equal to the client's): generation_size, dynamic_sampling and
--- record_pass_rates are read here instead of being Lua arguments.
+-- The stored settings (JSON, equal to the client's): generation_size, dynamic_sampling,
+-- record_pass_rates and record_prompt_history are read here instead of being Lua arguments.
 local function run_settings()
   if not _cfg then _cfg = cjson.decode(redis.call('GET', k('settings')) or '{}') end
   return _cfg
+end
+-- Selective rollout (GRESO, arXiv:2506.02177): the visit of train problem `meta.problem_index` at dataset
+-- position `feed_index` finished, zero-variance (`zv`, common reward string `r`) or mixed. prompt_history
+-- holds per problem "z r cursor base_z base_r": z = finished visits in a row, up to this one, whose groups
+-- were zero-variance with the same common reward r (0: the latest was mixed), cursor = the latest
+-- visit's dataset position, base_* = the streak before that visit (so a group finishing again for the
+-- same visit — a restarted group — replaces its outcome instead of counting twice). An older visit
+-- finishing after a newer one changes nothing. A finished visit clears the problem's prompt_skips.
+local function record_history(gk, zv, r)
+  local f = redis.call('HMGET', gk, 'meta', 'feed_index')
+  local ok, meta = pcall(cjson.decode, f[1] or '')
+  local problem = ok and type(meta) == 'table' and tonumber(meta.problem_index)
+  local cursor = tonumber(f[2])
+  if not problem or not cursor then return end  -- a group the feeder did not make (tests, tools)
+  problem = tostring(math.floor(problem))
+  local old = redis.call('HGET', k('prompt_history'), problem)
+  local bz, br = 0, '-'
+  if old then
+    local oz, or_, oc, obz, obr = string.match(old, '^(%d+) (%S+) (%d+) (%d+) (%S+)$')
+    if not oc then return end  -- damaged entry: leave it (the feeder treats it as no history)
+    oc = tonumber(oc)
+    if cursor < oc then return end
+    if cursor == oc then bz, br = tonumber(obz), obr else bz, br = tonumber(oz), or_ end
+  end
+  local z = 0
+  if zv then
+    z = 1
+    if bz > 0 and br == r then z = bz + 1 end
+  else
+    r = '-'
+  end
+  redis.call('HSET', k('prompt_history'), problem, z .. ' ' .. r .. ' ' .. cursor .. ' ' .. bz .. ' ' .. br)
+  redis.call('HDEL', k('prompt_skips'), problem)
 end
 -- Every sample of group `gid` (n samples, ns scored) is scored or failed, ns >= min(2, n).
 -- Returns 'ready' or 'dropped'.
@@ -53,6 +88,9 @@ local function finish_group(gid, gk, n, ns, seq)
   local equal = keep >= 2
   for j = 2, keep do
     if scored[j].r ~= scored[1].r then equal = false break end
+  end
+  if cfg.record_prompt_history then
+    record_history(gk, equal, equal and string.format('%.17g', scored[1].r) or '-')
   end
   if equal then
     stat('zero_variance_groups')
