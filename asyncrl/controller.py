@@ -177,6 +177,9 @@ class Controller(ControllerEvaluation):
         from asyncrl.tracking import RunClock
 
         private_dir(self.run_dir)  # 0700: config, logs, checkpoints, weights and the AOF are the owner's only
+        # umask 077 like its roles (docs/security.md): the controller's metrics, tail/clock/run_state/pids
+        # files and the embedded redis-server's log and AOF are created 0600 / 0700 too (issue #31 item 6)
+        os.umask(0o077)
         dump_config(self.cfg, self.cfg_path)  # 0600, without secrets
         previous = self._read_state()
         sessions = int(previous.get("sessions", 0)) + 1

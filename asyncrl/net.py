@@ -5,13 +5,54 @@ of the ``nccl`` weight transport, rollout servers with ``rollout.base_port`` 0);
 :func:`ports_free` / :func:`free_port_range` find ``n`` consecutive free ports for the rollout
 servers of ``asyncrl train``. A port found free can be taken by someone else before it is bound
 again; callers that can retry do.
+
+The HTTP servers of asyncrl that take request bodies (the rollout server, the agent sessions
+app) share three guards (issue #31 items 2 and 3): :data:`SERVER_KWARGS` (aiohttp never inflates
+a compressed body and never lingers to read the rest of a body its handler refused),
+:func:`content_encoding_refusal` (any ``Content-Encoding`` but ``identity`` is a 415 before auth
+and before a byte of the body is read) and :func:`header_bytes` (a credential header with
+characters no client sends is told apart from a wrong key, never a 500).
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 
-__all__ = ["free_port", "ports_free", "free_port_range"]
+__all__ = ["SERVER_KWARGS", "content_encoding_refusal", "free_port", "free_port_range", "header_bytes",
+           "ports_free"]
+
+#: keyword arguments of ``web.AppRunner`` / ``web.run_app`` for every asyncrl server that takes
+#: bodies: ``auto_decompress=False`` (a deflate bomb is never inflated: the parser would inflate
+#: it as it arrives, before any handler could refuse it) and ``lingering_time=0`` (a body left
+#: unread by a refusal closes the connection instead of being read for up to 10 s)
+SERVER_KWARGS = {"auto_decompress": False, "lingering_time": 0.0}
+
+
+def content_encoding_refusal(headers: Mapping[str, str]) -> str | None:
+    """Why a request with these headers is refused for its ``Content-Encoding`` (None: it is not).
+
+    No body encoding is accepted (send it uncompressed): an absent header or ``identity`` passes.
+    The answer is a 415 given before auth and before the body is read (issue #31 item 2).
+    """
+    enc = headers.get("Content-Encoding", "")
+    if enc.strip().lower() in ("", "identity"):
+        return None
+    shown = enc[:40].encode("ascii", "backslashreplace").decode()
+    return (f"Content-Encoding {shown!r} is not accepted: send the request body uncompressed "
+            "(no Content-Encoding header)")
+
+
+def header_bytes(value: str) -> bytes | None:
+    """A credential header's value as bytes, or None when it holds a non-ASCII character.
+
+    aiohttp decodes header bytes as UTF-8 with ``surrogateescape``, so ``\\xff`` arrives as a lone
+    surrogate that ``str.encode()`` cannot encode; keys are ASCII, so such a value is malformed.
+    """
+    try:
+        return value.encode("ascii")
+    except UnicodeEncodeError:
+        return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -105,6 +105,16 @@ async def _amain(args: argparse.Namespace) -> int:
         await buf.close()
 
 
+def _password_of(url: str | None) -> str | None:
+    """The password of a redis:// URL (None: none, or not a URL)."""
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).password if url else None
+    except ValueError:
+        return None
+
+
 def _redact(text: str, url: str) -> str:
     """``text`` with the URL's password (should an error message echo it) replaced by ``***``."""
     from urllib.parse import urlsplit
@@ -123,6 +133,11 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    if any(x.split("=", 1)[0] == "--redis_url" for x in argv) and _password_of(args.redis_url):
+        import warnings  # as `asyncrl train` warns
+
+        warnings.warn("--redis_url with a password puts a secret on the command line, where every user sees it in "
+                      "`ps`: set ASYNCRL_BUFFER__REDIS_URL instead (docs/security.md)", stacklevel=2)
     if not args.redis_url:
         print("asyncrl buffer: --redis_url is required (or set ASYNCRL_BUFFER__REDIS_URL)", file=sys.stderr)
         return 2

@@ -94,6 +94,9 @@ class EngineSample:
     #: set by the HTTP layer: anything with ``.set()`` (an asyncio.Event) woken on progress
     waiter: Any = None
     index: int = 0
+    #: engine-private: the sample belongs to a request of more samples than the fair reserve
+    #: (:attr:`Engine.reserve_rows`); such requests share at most ``max_batch_size - reserve_rows`` rows
+    big: bool = False
     # engine-private
     _stop_scan_from: int = 0
     _stop_text_len: int = 0
@@ -122,6 +125,10 @@ class _Item:
     ids: list[int]
     samples: list[EngineSample]
 
+    @property
+    def big(self) -> bool:
+        return bool(self.samples) and self.samples[0].big
+
 
 class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
@@ -137,6 +144,11 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         threads: ``torch.set_num_threads`` for the engine (None: unchanged).
         on_update: called from the engine thread with the samples that progressed in an
             iteration (the HTTP layer forwards them to its event loop).
+        reserve_rows: the fair reserve (None: ``max_batch_size // 8``). Fair scheduling (issue
+            #31 item 1): the samples of requests of more samples than this ("big" requests)
+            hold at most ``max_batch_size - reserve_rows`` rows together, so a small request
+            never waits for a big one to finish; big requests are admitted in arrival order, and
+            small ones never take the rows the oldest waiting big one needs (no starvation).
     """
 
     def __init__(
@@ -151,6 +163,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         seed: int = 0,
         threads: int | None = None,
         on_update: Callable[[list[EngineSample]], None] | None = None,
+        reserve_rows: int | None = None,
     ):
         import torch
 
@@ -162,6 +175,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         self.context_len = int(context_len)
         self.max_batch_size = int(max_batch_size)
         self.max_prefill_tokens = int(max_prefill_tokens)
+        self.reserve_rows = min(self.max_batch_size - 1, max(0, int(
+            self.max_batch_size // 8 if reserve_rows is None else reserve_rows)))
         self.weight_version = str(weight_version)
         self.on_update = on_update
         #: how long an idle engine waits after the first arrival to batch near-simultaneous requests
@@ -265,6 +280,11 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         }
 
     @property
+    def max_request_rows(self) -> int:
+        """Most samples one request may have (a big request's rows never exceed this; see ``reserve_rows``)."""
+        return self.max_batch_size - self.reserve_rows
+
+    @property
     def max_total_num_tokens(self) -> int:
         return self.max_batch_size * self.context_len
 
@@ -333,10 +353,12 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
                 return
             first = False
             kind = msg[0]
-            if kind == "submit":
+            if kind == "submit":  # one submit = one request: big when it has more samples than the reserve
+                big = sum(len(g.samples) for g in msg[1]) > self.reserve_rows
                 for g in msg[1]:
                     for s in g.samples:
                         self._live[s.rid] = s
+                        s.big = big
                     self._waiting.append(_Item(list(g.prompt_ids), list(g.samples)))
                     self.stats["num_requests_total"] += len(g.samples)
             elif kind == "abort":

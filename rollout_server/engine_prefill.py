@@ -29,22 +29,47 @@ class EnginePrefill:
     """Admission control and batched prefill (see the module docstring)."""
 
     def _admit(self) -> list[EngineSample]:
+        """Move waiting items into free rows, fairly (see ``reserve_rows`` of the engine).
+
+        Big requests' samples hold at most ``max_request_rows`` rows together and are admitted in
+        arrival order; a small request passes a big one that waits, but never into the rows that
+        the oldest waiting big one needs, so neither kind starves the other.
+        """
         if not self._waiting or self._pending_updates:
             return []
-        free = self.max_batch_size - sum(1 for r in self._rows if r is not None)
+        running = [r.sample for r in self._rows if r is not None]
+        free = self.max_batch_size - len(running)
+        big_room = self.max_request_rows - sum(1 for s in running if s.big)
         items: list[Any] = []
+        kept: list[Any] = []
         budget = self.max_prefill_tokens
-        while self._waiting and free > 0:
-            item = self._waiting[0]
+        held_for_big = 0  # rows small items leave free for the oldest big item that could not start
+        big_blocked = False
+        for item in self._waiting:
             need = sum(1 for s in item.samples if s.params.max_new_tokens > 0)
-            if need > free or (items and len(item.ids) > budget):
-                break
-            self._waiting.popleft()
+            fits = (not items or len(item.ids) <= budget) and free > 0
+            if item.big:
+                # need > max_request_rows only reaches here from the engine's own API (HTTP refuses it):
+                # it runs alone among big requests rather than never
+                room = big_room if need <= self.max_request_rows else (free if big_room == self.max_request_rows else 0)
+                fits = fits and not big_blocked and need <= free and need <= room
+                if not fits and not big_blocked:
+                    big_blocked = True
+                    held_for_big = max(0, min(need, big_room))
+            else:
+                fits = fits and need <= free - held_for_big
+            if not fits:
+                kept.append(item)
+                continue
             items.append(item)
             free -= need
             budget -= len(item.ids)
+            if item.big:
+                big_room -= need
         if not items:
             return []
+        self._waiting.clear()
+        self._waiting.extend(kept)
         return self._prefill(items)
 
     def _prefill(self, items: list[Any]) -> list[EngineSample]:

@@ -74,6 +74,12 @@ class ServerLimits:
             reach ``max(stream_interval, ceil(sent x (1 + top_logprobs_num) / this))``, so each
             chunk costs at most about this many entries per new token and a stream of N tokens
             costs O(N x this) instead of O(N^2 x top_logprobs_num).
+        max_request_cost: most output entries one ``/generate`` request may produce: samples x
+            ``max_new_tokens`` x logprob width (``2 + top_logprobs_num`` with ``return_logprob``,
+            else 1); a request over it is a 400 naming the limit (issue #31 item 1).
+        fair_reserve_rows: rows that requests of more samples than this never take together
+            (None: ``max_running_requests // 8``): a small request always finds a row soon, so a
+            big one delays it by a bounded factor (docs/security.md, "Fairness").
         header_timeout_seconds: a connection must deliver a complete request head within this
             (also the idle keep-alive timeout; aiohttp's ``keepalive_timeout``).
         body_timeout_seconds: a request body must arrive completely within this.
@@ -87,6 +93,8 @@ class ServerLimits:
     max_queued_requests: int = 2048
     max_top_logprobs_num: int = 20
     cumulative_stream_entries: int = 4096
+    max_request_cost: int = 1 << 20
+    fair_reserve_rows: int | None = None
     header_timeout_seconds: float = 20.0
     body_timeout_seconds: float = 60.0
     weight_group_timeout_seconds: float = 60.0
@@ -107,12 +115,14 @@ class ServerLimits:
 _FLAG_TYPES: dict[str, Callable[[str], Any]] = {
     "max_request_bytes": int, "max_weights_request_bytes": int, "max_prompts_per_request": int,
     "max_queued_requests": int, "max_top_logprobs_num": int, "cumulative_stream_entries": int,
+    "max_request_cost": int, "fair_reserve_rows": int,
     "header_timeout_seconds": float, "body_timeout_seconds": float, "weight_group_timeout_seconds": float,
 }
 #: lower bounds of the flags (the config fields carry the same ones)
 _FLAG_MIN: dict[str, float] = {
     "max_request_bytes": 1024, "max_weights_request_bytes": 1024, "max_prompts_per_request": 1,
     "max_queued_requests": 0, "max_top_logprobs_num": 0, "cumulative_stream_entries": 64,
+    "max_request_cost": 1, "fair_reserve_rows": 0,
     "header_timeout_seconds": 0.1, "body_timeout_seconds": 0.1, "weight_group_timeout_seconds": 0.1,
 }
 

@@ -38,6 +38,7 @@ __all__ = [
     "parse_generate",
     "read_body",
     "refused",
+    "request_cost",
     "response_object",
     "version_spans",
     "weight_version_of",
@@ -103,6 +104,7 @@ class GenerateLimits:
     Attributes:
         max_prompts: most prompts in one batch.
         max_top_logprobs_num: largest ``top_logprobs_num``.
+        max_request_cost: most output entries of one request (:func:`request_cost`).
         max_text_bytes: most UTF-8 bytes of one ``text`` prompt: the context length times the
             longest token's bytes (a longer text cannot fit the context, so it is refused
             before it is tokenized); None: no text bound.
@@ -111,6 +113,7 @@ class GenerateLimits:
     max_prompts: int = 128
     max_top_logprobs_num: int = 20
     max_text_bytes: int | None = None
+    max_request_cost: int = 1 << 20
 
 
 def _validate_generate(raw: bytes, vocab_size: int, max_top: int) -> GenerateBody:
@@ -171,9 +174,17 @@ async def parse_generate(raw: bytes, eng: Engine, tokenizer: Any, reader: BodyRe
                 f"input and {p.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
                 "the input or the completion."
             )
-        if p.n > eng.max_batch_size:
-            raise RequestError(f"sampling_params.n={p.n} exceeds max_running_requests={eng.max_batch_size}")
+        if p.n > eng.max_request_rows:
+            raise RequestError(f"sampling_params.n={p.n} exceeds {eng.max_request_rows}, the most samples one request "
+                               f"may have on this server (max_running_requests {eng.max_batch_size} less the "
+                               f"{eng.reserve_rows} rows kept for other requests, --fair-reserve-rows)")
     total = sum(p.n for p in params)
+    cost = request_cost(params, rl, tln)
+    if cost > limits.max_request_cost:
+        raise RequestError(
+            f"the request costs {cost} output entries (samples x max_new_tokens x logprob width, where the width is "
+            f"2 + top_logprobs_num with return_logprob, else 1); at most {limits.max_request_cost} per request (the "
+            "server's --max-request-cost): send fewer samples, fewer max_new_tokens or a smaller top_logprobs_num")
     if rid is None:
         base = uuid.uuid4().hex
         rids = [base] if total == 1 else [f"{base}_{i}" for i in range(total)]
@@ -202,6 +213,16 @@ async def parse_generate(raw: bytes, eng: Engine, tokenizer: Any, reader: BodyRe
         groups.append(EngineGroup(list(prompt), group))
         samples += group
     return groups, samples, is_batch or total > 1, stream
+
+
+def request_cost(params: list[SamplingParams], return_logprob: list[bool], top_logprobs_num: int) -> int:
+    """The output entries a request may produce: sum over prompts of ``n x max_new_tokens x width``.
+
+    ``width`` is ``2 + top_logprobs_num`` with ``return_logprob`` (the id, its logprob, the top
+    entries), else 1 (the id). Bounded by ``--max-request-cost`` (issue #31 item 1): the response,
+    and the work of streaming it, is proportional to this.
+    """
+    return sum(p.n * p.max_new_tokens * ((2 + top_logprobs_num) if rl else 1) for p, rl in zip(params, return_logprob))
 
 
 def max_token_bytes(tokenizer: Any) -> int:

@@ -125,7 +125,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     else:
         from aiohttp import web
 
-        from asyncrl.net import free_port
+        from asyncrl.net import SERVER_KWARGS, free_port
         from rollout_server.server import RolloutHTTPServer, ServerOptions
 
         index = server_index or 0
@@ -139,7 +139,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
         )
         server = RolloutHTTPServer(opts)
         await loop.run_in_executor(None, server.load)
-        runner = web.AppRunner(server.app(), access_log=None)
+        runner = web.AppRunner(server.app(), access_log=None, **SERVER_KWARGS)
         await runner.setup()
         site = web.TCPSite(runner, r.host, port)
         await site.start()

@@ -38,6 +38,8 @@ __all__ = [
     "MAX_SEED",
     "MAX_LOGIT_BIAS",
     "MAX_TEMPERATURE",
+    "MIN_REPETITION_PENALTY",
+    "MAX_NAMED_KEYS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_CHARS",
     "MAX_STOP_TOKEN_IDS",
@@ -71,6 +73,11 @@ MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0
 #: ``temperature`` lies in ``[0, 1e4]`` (far above any useful value; the distribution is uniform long before)
 MAX_TEMPERATURE = 1e4
+#: ``repetition_penalty`` lies in ``[0.01, 2]``: a seen token's logit is divided by it, so a
+#: smaller one (1e-300 passed ``> 0``) overflows fp32 logits to inf (issue #31 item 3)
+MIN_REPETITION_PENALTY = 0.01
+#: an error names at most this many unknown keys, each cut to ``MAX_ID_CHARS // 16`` characters
+MAX_NAMED_KEYS = 20
 #: ``stop``: at most this many strings of at most ``MAX_STOP_CHARS`` characters (matched every step)
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
@@ -176,7 +183,7 @@ class SamplingParamsBody(_Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=2.0)] = 1.0
     min_new_tokens: Count = 0
     n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     ignore_eos: bool = False
@@ -551,7 +558,10 @@ def format_validation_error(exc: ValidationError, schema: type[BaseModel], what:
     extra = [e for e in errors if e["type"] == "extra_forbidden"]
     if extra:
         parent = extra[0]["loc"][:-1]
-        names = sorted(str(e["loc"][-1]) for e in extra if e["loc"][:-1] == parent)
+        found = sorted(str(e["loc"][-1]) for e in extra if e["loc"][:-1] == parent)
+        names = [_truncate(n, MAX_ID_CHARS // 16) for n in found[:MAX_NAMED_KEYS]]
+        if len(found) > MAX_NAMED_KEYS:  # 100k unknown keys must not make a 1 MB error
+            names.append(f"... and {len(found) - MAX_NAMED_KEYS} more")
         model = SamplingParamsBody if ("sampling_params" in parent or schema is SamplingParamsBody) else schema
         accepted = ", ".join(sorted(model.model_fields))
         if model is SamplingParamsBody:

@@ -46,6 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncrl.aio import wait_event
+from asyncrl.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
 from rollout_server.engine import Engine, EngineGroup, EngineSample
 from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
 from rollout_server.requests import (
@@ -75,6 +76,9 @@ VERSION = "asyncrl-embedded-0.1.0"
 
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 _HEALTH_TIMEOUT_SECONDS = 20.0
+#: a cumulative stream's next chunk waits until its output grew by 1/this: a stream costs at most
+#: about ``this + 1`` times its final response, whatever its length (issue #31 item 1)
+CUMULATIVE_GROWTH = 8
 #: how often a request with no progress (queued, paused) checks whether its client is still there
 _DISCONNECT_POLL_SECONDS = 0.25
 
@@ -128,6 +132,7 @@ class RolloutHTTPServer(WeightEndpoints):
             seed=self.opts.random_seed,
             threads=self.opts.engine_threads,
             on_update=self._on_engine_update,
+            reserve_rows=self.limits.fair_reserve_rows,
         )
         self._setup_limits()
         self._setup_metrics()
@@ -144,7 +149,8 @@ class RolloutHTTPServer(WeightEndpoints):
         self.weights_body_reader = BodyReader(lim.weights_request_bytes(num_params), lim.body_timeout_seconds,
                                               flag="max-weights-request-bytes", executor=self._parse_pool)
         text_bytes = eng.context_len * max_token_bytes(self._tokenizer) if self._tokenizer is not None else None
-        self.generate_limits = GenerateLimits(lim.max_prompts_per_request, lim.max_top_logprobs_num, text_bytes)
+        self.generate_limits = GenerateLimits(lim.max_prompts_per_request, lim.max_top_logprobs_num, text_bytes,
+                                              lim.max_request_cost)
 
     async def on_startup(self, app: web.Application) -> None:
         self.loop = asyncio.get_running_loop()
@@ -211,13 +217,31 @@ class RolloutHTTPServer(WeightEndpoints):
 
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler):
+        """Refuse a ``Content-Encoding`` (415), then check the API key (401; 400 for a non-ASCII
+        credential header), all before a byte of the body is read (the connection is then closed,
+        never lingered on: :data:`asyncrl.net.SERVER_KWARGS`)."""
+        refusal = content_encoding_refusal(request.headers)
+        if refusal is not None:
+            resp = error_response(refusal, 415)
+            resp.force_close()
+            return resp
         key = self.opts.api_key
         if key and request.method != "OPTIONS" and not request.path.startswith(_OPEN_PATHS):
             auth = request.headers.get("Authorization", "")
             scheme, _, token = auth.partition(" ")
-            token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-            if not token or not hmac.compare_digest(token.encode(), key.encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+            header = "Authorization" if scheme.lower() == "bearer" else "x-api-key"
+            token = token.strip() if header == "Authorization" else request.headers.get("x-api-key", "")
+            raw = header_bytes(token)
+            if raw is None:
+                resp = error_response(f"the {header} header holds non-ASCII characters: send the API key as it was "
+                                      "given (ASCII)", 400)
+                resp.force_close()
+                return resp
+            if not raw or not hmac.compare_digest(raw, key.encode()):
+                resp = web.json_response({"error": "Unauthorized"}, status=401)
+                if request.body_exists:
+                    resp.force_close()
+                return resp
         return await handler(request)
 
     # -- /generate ---------------------------------------------------------------------------------
@@ -272,6 +296,16 @@ class RolloutHTTPServer(WeightEndpoints):
                 raise asyncio.CancelledError()  # the finally of handle_generate aborts them
             if await wait_event(waiter, _DISCONNECT_POLL_SECONDS):  # not wait_for: see asyncrl.aio
                 waiter.clear()
+        for s in samples:
+            status = (s.finish_reason or {}).get("status_code")
+            if status in (400, 500, 503) and not is_batch:
+                return web.json_response({"error": {"message": s.finish_reason.get("message", "error")}}, status=status)
+        # a big response (up to --max-request-cost entries) is built and serialised off the event loop
+        body = await self.body_reader.run(_output_bytes(samples), self._final_body, samples, is_batch)
+        return web.Response(body=body, content_type="application/json")
+
+    def _final_body(self, samples: list[EngineSample], is_batch: bool) -> bytes:
+        """The JSON body of a finished non-streamed request (runs on the parse thread when big)."""
         outs = [
             response_object(
                 s, s.published, 0, final=True, incremental=False, with_text=self._tokenizer is not None,
@@ -280,11 +314,7 @@ class RolloutHTTPServer(WeightEndpoints):
             )
             for s in samples
         ]
-        for s, o in zip(samples, outs):
-            status = (s.finish_reason or {}).get("status_code")
-            if status in (400, 500, 503) and not is_batch:
-                return web.json_response({"error": {"message": s.finish_reason.get("message", "error")}}, status=status)
-        return web.json_response(outs if is_batch else outs[0], dumps=dumps)
+        return dumps(outs if is_batch else outs[0]).encode()
 
     def _abort_samples(self, samples: list[EngineSample]) -> None:
         """Abort the samples not yet finished (by identity: never another request sharing a rid prefix)."""
@@ -312,7 +342,7 @@ class RolloutHTTPServer(WeightEndpoints):
             if not await wait_event(waiter, _DISCONNECT_POLL_SECONDS):
                 continue
             waiter.clear()
-            chunks = []
+            due = []
             for s in samples:
                 if id(s) in done:
                     continue
@@ -320,30 +350,40 @@ class RolloutHTTPServer(WeightEndpoints):
                 gap = s.params.stream_interval or self.opts.stream_interval
                 if not incremental:  # a cumulative chunk resends everything: space them by what they carry
                     per_token = 1 + (s.top_logprobs_num if s.return_logprob else 0)
-                    gap = max(gap, -(-sent[id(s)] * per_token // budget))
+                    gap = max(gap, -(-sent[id(s)] * per_token // budget), sent[id(s)] // CUMULATIVE_GROWTH)
                 if fin is None and (n == 0 or n - sent[id(s)] < gap):
                     continue
-                start = sent[id(s)] if incremental else 0
-                text_now = ""
-                if self._tokenizer is not None:
-                    ids = s.output_ids[:n]
-                    text_now = decode_output(self._tokenizer, s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
-                out = response_object(s, (n, fin), start, final=fin is not None, incremental=incremental,
-                                      with_text=self._tokenizer is not None, current_version=self.engine.weight_version,
-                                      text_prev=text_sent[id(s)], text_now=text_now)
-                text_sent[id(s)] = text_now
-                if multi:
-                    out["index"] = s.index
-                sent[id(s)] = n
-                if fin is not None:
-                    done.add(id(s))
-                    if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
-                        out = {"error": {"message": fin.get("message", "engine error")}}
-                chunks.append(b"data: " + dumps(out).encode() + b"\n\n")
-            if chunks:
-                await resp.write(b"".join(chunks))
+                due.append((s, n, fin))
+            if due:  # big chunks are built and serialised off the event loop
+                size = _output_bytes([s for s, _, _ in due])
+                await resp.write(await self.body_reader.run(size, self._chunks, due, sent, text_sent, detok, done,
+                                                            incremental, multi))
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+    def _chunks(self, due: list, sent: dict, text_sent: dict, detok: dict, done: set, incremental: bool,
+                multi: bool) -> bytes:
+        """The SSE bytes of one wake-up of a stream: a chunk per sample in ``due`` ((sample, n, finish) triples)."""
+        chunks = []
+        for s, n, fin in due:
+            start = sent[id(s)] if incremental else 0
+            text_now = ""
+            if self._tokenizer is not None:
+                ids = s.output_ids[:n]
+                text_now = decode_output(self._tokenizer, s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
+            out = response_object(s, (n, fin), start, final=fin is not None, incremental=incremental,
+                                  with_text=self._tokenizer is not None, current_version=self.engine.weight_version,
+                                  text_prev=text_sent[id(s)], text_now=text_now)
+            text_sent[id(s)] = text_now
+            if multi:
+                out["index"] = s.index
+            sent[id(s)] = n
+            if fin is not None:
+                done.add(id(s))
+                if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
+                    out = {"error": {"message": fin.get("message", "engine error")}}
+            chunks.append(b"data: " + dumps(out).encode() + b"\n\n")
+        return b"".join(chunks)
 
     # -- abort / pause ------------------------------------------------------------------------------
 
@@ -513,6 +553,11 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     return _parse_args(argv, description=__doc__.split("\n\n")[0])
 
 
+def _output_bytes(samples: list[EngineSample]) -> int:
+    """A rough size of the samples' output objects (bytes), to decide where to build them."""
+    return sum(24 * s.published[0] * ((2 + s.top_logprobs_num) if s.return_logprob else 1) for s in samples)
+
+
 def _client_gone(request: web.Request) -> bool:
     """The client closed its connection (however the disconnect surfaced)."""
     transport = request.transport
@@ -530,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     # aiohttp's keep-alive timer also runs from the connection's start until a request head is complete,
     # so it is the header read timeout too (a client trickling headers is cut off)
     web.run_app(app, host=opts.host, port=opts.port, print=None, access_log=None, handle_signals=True,
-                shutdown_timeout=5.0, keepalive_timeout=opts.limits.header_timeout_seconds)
+                shutdown_timeout=5.0, keepalive_timeout=opts.limits.header_timeout_seconds, **SERVER_KWARGS)
     return 0
 
 

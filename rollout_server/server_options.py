@@ -11,6 +11,8 @@ import os
 
 import argparse
 import logging
+import sys
+import warnings
 
 from rollout_server.limits import ServerLimits, add_limit_arguments, limits_from_args
 
@@ -76,6 +78,10 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOp
     add("log-level", default="info")
     add_limit_arguments(add)
     a = ap.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    if any(x.split("=", 1)[0] in ("--api-key", "--api_key") for x in given):  # as `asyncrl train` warns
+        warnings.warn("--api-key puts a secret on the command line, where every user sees it in `ps`: set "
+                      "ASYNCRL_ENGINE_API_KEY instead (docs/security.md)", stacklevel=2)
     logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO))
     return ServerOptions(
         model_path=a.model_path, host=a.host, port=a.port, api_key=a.api_key,

@@ -139,7 +139,9 @@ async def serve_app(app: Any, host: str = "127.0.0.1"):
     """
     from aiohttp import web
 
-    runner = web.AppRunner(app)
+    from asyncrl.net import SERVER_KWARGS
+
+    runner = web.AppRunner(app, **SERVER_KWARGS)
     await runner.setup()
     site = web.TCPSite(runner, host, 0)
     await site.start()
