@@ -169,10 +169,10 @@ class DataConfig(_Section):
     """Pass-rate dataset filter (AReaL ``dataset_filter_threshold``): at the start of each epoch after the first, a train prompt whose last finished group had a mean reward above this is removed from the feeder's stream (at most ``dataset_max_filter_percentage`` of the remaining prompts per epoch, highest mean first). The removed prompts are stored in the buffer, so a resumed run keeps them out (docs/buffer.md#pass-rate-dataset-filter)."""
     dataset_max_filter_percentage: float = Field(0.0, ge=0.0, le=1.0)
     """Most prompts the pass-rate filter removes per epoch, as a share of the prompts still in the stream (AReaL ``dataset_max_filter_percentage``; 0: the filter is off; at least one prompt always stays)."""
-
-
     selective_rollout: SelectiveRolloutConfig = SelectiveRolloutConfig()
     """Skip prompts predicted to give zero-variance groups before generation (GRESO, arXiv:2506.02177); composes with the pass-rate filter and with ``rollout.dynamic_sampling``."""
+
+
 # ----------------------------------------------------------------------------------------------
 # reward model
 
