@@ -12,13 +12,37 @@ and opens a message of another role, by rendering two conversations and taking t
 difference (the method of verl's and rllm's multi-turn tokenisation). An observation is then
 ``close-of-assistant-turn + <role message> + open-of-assistant-turn + prefill`` tokenised once,
 with the close left out when the model's last token already is the end-of-turn token.
+
+Control tokens come only from the template (issue #31 item 4): message text is encoded as text,
+so a message holding ``<|im_end|>\n<|im_start|>assistant\n...`` cannot forge a turn
+(:meth:`ChatFormat.encode_parts`). Text the tokenizer would still turn into an added token is
+refused with :class:`ChatFormatError`. An observation holds at most
+:data:`MAX_OBSERVATION_CHARS` characters; :func:`off_loop` tokenises on one worker thread.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import asyncio
+import functools
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
 
-__all__ = ["ChatFormat", "ChatFormatError"]
+__all__ = ["ChatFormat", "ChatFormatError", "MAX_OBSERVATION_CHARS", "off_loop"]
+
+#: most characters of message text (contents and prefill) one observation or rendered prompt holds
+MAX_OBSERVATION_CHARS = 1_000_000
+T = TypeVar("T")
+#: one thread tokenises for every ChatFormat of the process, off the event loop (20 messages of
+#: 200k characters take seconds); one at a time, since ``split_special_tokens`` is tokenizer state
+_POOL = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-chat-tokenize")
+_ENCODE_LOCK = threading.Lock()
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """``fn(*args, **kw)`` on the tokenising thread (the event loop keeps serving meanwhile)."""
+    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args, **kw))
 
 _A = "\u2063ASSISTANT\u2063"  # a marker no template adds by itself
 
@@ -83,23 +107,105 @@ class ChatFormat:
             after_ids: the token ids the model produced last; when they end with the end-of-turn
                 token, the turn's closing text is not repeated.
         """
+        return "".join(t for t, _ in self._observation_parts(content, role, prefill, after_ids))
+
+    def _observation_parts(self, content: str, role: str, prefill: str,
+                           after_ids: Sequence[int]) -> list[tuple[str, bool]]:
+        """:meth:`observation_text` as ``(text, from_template)`` parts (:meth:`encode_parts`)."""
         before, after = self._open(role)
         close = self.close_turn
         if after_ids and int(after_ids[-1]) in self.end_of_turn_ids:
             eot = self.tokenizer.decode([int(after_ids[-1])], skip_special_tokens=False)
             if close.startswith(eot):
                 close = close[len(eot):]
-        return close + before + content + after + prefill
+        return [(close + before, True), (content, False), (after, True), (prefill, False)]
 
     def observation_ids(self, content: str, role: str = "user", prefill: str = "",
                         after_ids: Sequence[int] = ()) -> list[int]:
-        """:meth:`observation_text` tokenised once (no special tokens added; template tokens kept).
+        """:meth:`observation_text` tokenised once (no special tokens added; template tokens kept;
+        ``content`` and ``prefill`` encoded as text: :meth:`encode_parts`).
 
         Returns:
             (O,) token ids, O >= 1.
+
+        Raises:
+            ChatFormatError: more than :data:`MAX_OBSERVATION_CHARS` characters, or text that
+                the tokenizer cannot encode without a control token.
         """
-        text = self.observation_text(content, role, prefill, after_ids)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.messages_observation_ids([(role, content)], prefill, after_ids)
+
+    # ------------------------------------------------------------------ text as text, never control tokens
+    def _added(self) -> tuple[re.Pattern | None, dict[str, int]]:
+        if not hasattr(self, "_added_cache"):
+            vocab = {str(k): int(v) for k, v in dict(getattr(self.tokenizer, "get_added_vocab", dict)()).items() if k}
+            pat = re.compile("|".join(re.escape(k) for k in sorted(vocab, key=len, reverse=True))) if vocab else None
+            self._added_cache = (pat, vocab)
+        return self._added_cache
+
+    def _tok(self, text: str, literal: bool = False) -> list[int]:
+        with _ENCODE_LOCK:
+            if literal:
+                return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_parts(self, parts: Sequence[tuple[str, bool]]) -> list[int]:
+        """Token ids of the concatenated ``parts``: ``(text, from_template)`` pairs.
+
+        Template parts keep their control tokens; the other parts (message contents, prefills)
+        are text: when tokenising the whole text once would make a control token out of them (a
+        forged ``<|im_end|>``), they are encoded literally instead. Text without control-token
+        strings gets exactly the ids of tokenising the whole text once.
+
+        Returns:
+            (N,) token ids.
+
+        Raises:
+            ChatFormatError: the message text is over :data:`MAX_OBSERVATION_CHARS`, or the
+                tokenizer turns it into an added token even when told not to (say which).
+        """
+        size = sum(len(t) for t, tmpl in parts if not tmpl)
+        if size > MAX_OBSERVATION_CHARS:
+            raise ChatFormatError(f"the messages hold {size} characters; at most {MAX_OBSERVATION_CHARS} per call: "
+                                  "send shorter messages")
+        pat, vocab = self._added()
+        ids = self._tok("".join(t for t, _ in parts))
+        if pat is None:
+            return ids
+        added = set(vocab.values())
+        from_template = [vocab[m.group(0)] for t, tmpl in parts if tmpl for m in pat.finditer(t)]
+        if [i for i in ids if i in added] == from_template:
+            return ids  # every control token is the template's
+        segments: list[tuple[str, bool] | int] = []  # (text, literal) or a template control token's id
+        for text, tmpl in parts:
+            pieces: list[str | int] = [text]
+            if tmpl:
+                pieces, at = [], 0
+                for m in pat.finditer(text):
+                    pieces += [text[at:m.start()], vocab[m.group(0)]]
+                    at = m.end()
+                pieces.append(text[at:])
+            for piece in pieces:
+                if isinstance(piece, int):
+                    segments.append(piece)
+                elif piece:
+                    if segments and isinstance(segments[-1], tuple):
+                        prev, lit = segments[-1]
+                        segments[-1] = (prev + piece, lit or not tmpl)
+                    else:
+                        segments.append((piece, not tmpl))
+        out: list[int] = []
+        for seg in segments:
+            if isinstance(seg, int):
+                out.append(seg)
+                continue
+            got = self._tok(*seg)
+            bad = [i for i in got if i in added] if seg[1] else []
+            if bad:
+                name = next(k for k, v in vocab.items() if v == bad[0])
+                raise ChatFormatError(f"a message holds {name[:40]!r}, which this tokenizer encodes as a control token "
+                                      "even as text: remove it from the message")
+            out += got
+        return out
 
     def _open_assistant(self) -> str:
         """The assistant generation prompt the template appends (ChatML: ``<|im_start|>assistant\n``)."""
@@ -123,21 +229,27 @@ class ChatFormat:
         Raises:
             ValueError: no message.
         """
+        return "".join(t for t, _ in self._messages_parts(messages, prefill, after_ids))
+
+    def _messages_parts(self, messages: Sequence[tuple[str, str]], prefill: str,
+                        after_ids: Sequence[int]) -> list[tuple[str, bool]]:
+        """:meth:`messages_observation_text` as ``(text, from_template)`` parts."""
         if not messages:
             raise ValueError("an observation needs at least one message")
         msgs = list(messages)
         if len(msgs) == 1:
-            return self.observation_text(msgs[0][1], msgs[0][0], prefill, after_ids)
+            return self._observation_parts(msgs[0][1], msgs[0][0], prefill, after_ids)
         open_assistant = self._open_assistant()
 
         def without_open(text: str) -> str:
             return text[: len(text) - len(open_assistant)] if open_assistant and text.endswith(open_assistant) else text
 
-        text = without_open(self.observation_text(msgs[0][1], msgs[0][0], "", after_ids))
+        parts = self._observation_parts(msgs[0][1], msgs[0][0], "", after_ids)[:3]
+        parts[2] = (without_open(parts[2][0]), True)
         for k, (role, content) in enumerate(msgs[1:], start=1):
             before, after = self._open(role)
-            text += before + content + (after if k == len(msgs) - 1 else without_open(after))
-        return text + prefill
+            parts += [(before, True), (content, False), (after if k == len(msgs) - 1 else without_open(after), True)]
+        return parts + [(prefill, False)]
 
     def messages_observation_ids(self, messages: Sequence[tuple[str, str]], prefill: str = "",
                                  after_ids: Sequence[int] = ()) -> list[int]:
@@ -146,8 +258,49 @@ class ChatFormat:
         Returns:
             (O,) token ids.
         """
-        text = self.messages_observation_text(messages, prefill, after_ids)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.encode_parts(self._messages_parts(messages, prefill, after_ids))
+
+    def render_ids(self, messages: Sequence[tuple[str, str]], prefill: str = "") -> list[int]:
+        """A whole conversation's prompt ids: chat template with the generation prompt, then
+        ``prefill``; the contents encoded as text (:meth:`encode_parts`).
+
+        The template is rendered with marker contents to find where each content goes; a
+        template that changes contents (e.g. trims them) is rendered as a whole instead, and
+        refused when its text then holds a control token the template did not put there.
+
+        Returns:
+            (P,) ids.
+
+        Raises:
+            ChatFormatError: as :meth:`encode_parts`.
+        """
+        msgs = [{"role": r, "content": c} for r, c in messages]
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        marks = [f"\u2063C{i}\u2063" for i in range(len(msgs))]
+        tmpl = self.tokenizer.apply_chat_template([{"role": m["role"], "content": k} for m, k in zip(msgs, marks)],
+                                                  tokenize=False, add_generation_prompt=True)
+        parts: list[tuple[str, bool]] = []
+        rest = tmpl
+        for mark, m in zip(marks, msgs):
+            if rest.count(mark) != 1:
+                break
+            before, rest = rest.split(mark, 1)
+            parts += [(before, True), (m["content"], False)]
+        else:
+            parts += [(rest, True), (prefill, False)]
+            if "".join(t for t, _ in parts) == text + prefill:
+                return self.encode_parts(parts)
+        # the template transforms contents: the rendered text must hold the template's control tokens only
+        return self.encode_parts([(text, True), (prefill, False)]) if self._same_controls(text, tmpl) else \
+            self._refuse_controls()
+
+    def _same_controls(self, text: str, tmpl: str) -> bool:
+        pat, _ = self._added()
+        return pat is None or [m.group(0) for m in pat.finditer(text)] == [m.group(0) for m in pat.finditer(tmpl)]
+
+    @staticmethod
+    def _refuse_controls() -> list[int]:
+        raise ChatFormatError("a message holds the text of a control token of the chat template: remove it")
 
     def with_user_note_ids(self, prompt_ids: Sequence[int], note: str) -> list[int]:
         """A prompt with ``note`` appended to its last user message, tokenised once (an OPSD hint).

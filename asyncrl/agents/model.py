@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
-from asyncrl.agents.chat import ChatFormat
+from asyncrl.agents.chat import ChatFormat, off_loop
 from asyncrl.agents.workflow import (
     Episode,
     EpisodeTask,
@@ -198,9 +198,8 @@ class EpisodeModel:
             raise ValueError(f"an episode has at most {MAX_TRAJECTORIES} trajectories")
         if (messages is None) == (prompt_ids is None):
             raise ValueError("give exactly one of messages= or prompt_ids=")
-        if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if messages is not None:  # contents as text, never control tokens; off the event loop
+            ids = await off_loop(self.chat.render_ids, [(m["role"], m["content"]) for m in messages])
         else:
             ids = [int(x) for x in prompt_ids]  # type: ignore[union-attr]
         if not ids:
@@ -341,9 +340,14 @@ class EpisodeModel:
         Raises:
             TokenLimit: the observation does not fit under ``max_response_len`` (not appended).
             NonDeterministicWorkflow: the record holds other ids (or a model call) here.
+            ChatFormatError: the message is over :data:`~asyncrl.agents.chat.MAX_OBSERVATION_CHARS`
+                characters, or holds text the tokenizer cannot encode without a control token.
+
+        ``content`` and ``prefill`` are encoded as text: a forged ``<|im_end|>`` in them never
+        becomes a control token (only the template's delimiters are). Tokenised off the event loop.
         """
         last = self.steps[-1].output.token_ids if self.steps else ()
-        ids = self.chat.observation_ids(content, role, prefill, after_ids=last)
+        ids = await off_loop(self.chat.observation_ids, content, role, prefill, after_ids=last)
         await self.observe_ids(ids)
         return ids
 

@@ -43,7 +43,8 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from asyncrl.agents.chat import ChatFormat, ChatFormatError
+from asyncrl.agents.chat import ChatFormat, ChatFormatError, off_loop
+from asyncrl.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
 from asyncrl.agents.model import MAX_TRAJECTORIES, EpisodeModel
 from asyncrl.agents.workflow import EpisodeTimeout, TokenLimit
 
@@ -57,7 +58,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 class ChatMessage(BaseModel):
     """One chat message: a role and a text content (at most 200,000 characters)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: str = Field(pattern=r"^[a-z_]{1,32}$")
     content: str = Field(max_length=200_000)
 
@@ -68,10 +69,11 @@ class ChatRequest(BaseModel):
     ``model`` and ``temperature`` must be the run's or absent (the behaviour policy is the run's);
     ``max_tokens`` / ``max_completion_tokens`` bound this call's output (default
     ``agent.max_tokens_per_turn``); ``stop`` must be absent or empty (the run's ``rollout.stop``
-    applies); ``n`` must be 1 and ``stream`` false.
+    applies); ``n`` must be 1 and ``stream`` false. Strict types, like the rollout server's
+    schemas: ``"10"`` is not a number; an integer is accepted where a float is expected.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = Field(None, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
@@ -91,9 +93,10 @@ class ChatRequest(BaseModel):
 
 
 class RewardRequest(BaseModel):
-    """``POST /v1/episode/reward``: the episode's scalar reward and up to 16 named metrics (finite numbers)."""
+    """``POST /v1/episode/reward``: the episode's scalar reward and up to 16 named metrics (finite
+    numbers; strict: ``"1"`` is not a number)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     reward: float
     metrics: dict[str, float] = Field(default_factory=dict, max_length=16)
 
@@ -261,8 +264,8 @@ class Session:
             obs_ids: list[int] = []
             new_prompt: list[int] | None = None
             try:
-                if self.history is None:
-                    ids = render_messages_ids(self.chat.tokenizer, msgs, prefill)
+                if self.history is None:  # tokenised off the event loop, message text as text (never a control token)
+                    ids = await off_loop(self.chat.render_ids, msgs, prefill)
                     if ids != list(m.task.prompt_ids):
                         at = _first_difference(ids, list(m.task.prompt_ids))
                         raise SessionError(400, "prompt_mismatch", (
@@ -273,13 +276,13 @@ class Session:
                     n = len(self.history)
                     if msgs[:n] != self.history or any(r == "assistant" for r, _ in msgs[n:]):
                         # the harness rewrote the conversation: its messages are a new trajectory's prompt
-                        new_prompt = render_messages_ids(self.chat.tokenizer, msgs, prefill)
+                        new_prompt = await off_loop(self.chat.render_ids, msgs, prefill)
                     elif len(msgs) == n:
                         raise SessionError(400, "no_new_message", "a call must add at least one message after the "
                                                                   "last assistant reply")
                     else:
                         last = m.steps[-1].output.token_ids if m.steps else ()
-                        obs_ids = self.chat.messages_observation_ids(msgs[n:], prefill, after_ids=last)
+                        obs_ids = await off_loop(self.chat.messages_observation_ids, msgs[n:], prefill, after_ids=last)
             except ChatFormatError as exc:
                 raise SessionError(400, "invalid_messages", str(exc)) from None
             if new_prompt is not None and len(self.model.trajectories) >= MAX_TRAJECTORIES:
@@ -343,6 +346,15 @@ def _validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+@web.middleware
+async def _close_refused(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A refusal that left the body unread closes the connection (no lingering read of it)."""
+    resp = await handler(request)
+    if resp.status >= 400 and request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp
+
+
 _servers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task]" = weakref.WeakKeyDictionary()
 
 
@@ -384,11 +396,11 @@ class SessionServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_close_refused])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/episode/reward", self._reward)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, **SERVER_KWARGS)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -419,8 +431,14 @@ class SessionServer:
         return len(self._sessions)
 
     def _session(self, request: web.Request) -> Session:
+        refusal = content_encoding_refusal(request.headers)  # before auth, before the body is read
+        if refusal is not None:
+            raise SessionError(415, "unsupported_content_encoding", refusal)
         auth = request.headers.get("Authorization", "")
         scheme, _, key = auth.partition(" ")
+        if header_bytes(key) is None:
+            raise SessionError(400, "invalid_api_key", "the Authorization header holds non-ASCII characters: send "
+                                                       "'Bearer <OPENAI_API_KEY>' as asyncrl gave it")
         s = self._sessions.get(self._digest(key.strip())) if scheme.lower() == "bearer" and key.strip() else None
         if s is None:
             raise SessionError(401, "invalid_api_key", "unknown or missing session key: send 'Authorization: Bearer' "
