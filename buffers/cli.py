@@ -52,6 +52,14 @@ def _print_stats(s: dict) -> None:
     print("staleness (ready/batched groups): " + (", ".join(f"{k}: {v}" for k, v in hist.items()) or "none"))
     print("dropped by reason: " + (", ".join(f"{k} {v}" for k, v in s["dropped_by_reason"].items()) or "none"))
     print("restarted by reason: " + (", ".join(f"{k} {v}" for k, v in s["restarted_by_reason"].items()) or "none"))
+    sm = s.get("sampling", {})
+    if sm:
+        print(f"finished groups {sm['finished_groups']}, zero-variance share {sm['zero_variance_share']:.3f}; "
+              f"predicted zero-variance skips {sm['skipped_zero_variance_predicted']} (easy "
+              f"{sm['predicted_skips_easy']}, hard {sm['predicted_skips_hard']}; share of visits "
+              f"{sm['predicted_skip_share']:.3f})")
+    skipped = {k.split(":", 1)[1]: v for k, v in s.get("counters", {}).items() if k.startswith("skipped_prompts:")}
+    print("prompts skipped by reason: " + (", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"))
     print(f"open batch {s['open_batch']}; last acknowledged step {s['last_acked_step']}; committed step {s['committed_step']}")
 
 

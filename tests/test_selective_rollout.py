@@ -341,3 +341,20 @@ async def test_skips_reach_the_step_records_and_the_reconciliation(redis_url):
     assert ok, text
     assert text.endswith("dataset cursor 7 = fed 3 + prompts skipped by the pass-rate filter 1 + by selective "
                          "rollout (predicted zero variance) 3"), text
+
+
+def test_buffer_stats_cli_shows_the_skips(redis_url, capsys):
+    import asyncio
+
+    from buffers.cli import main as cli_main
+
+    async def setup():
+        settings = BufferSettings(rollout_batch_size=4, train_batch_groups=1, n_samples_per_prompt=2)
+        async with await ReplayBuffer.open(redis_url, "clistats", settings) as buf:
+            await buf.feed([buf.make_group("p000000000", [1])], 0, skip=2, predicted=[(3, "hard")])
+
+    asyncio.run(setup())
+    assert cli_main(["stats", "--redis_url", redis_url, "--run", "clistats"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted zero-variance skips 1 (easy 0, hard 1; share of visits 0.500)" in out, out
+    assert "prompts skipped by reason: pass_rate_filter 2, zero_variance_predicted 1" in out, out
