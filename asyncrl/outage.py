@@ -114,7 +114,13 @@ class OutageGuard:
                         f"asyncrl {self.role}: {self.dependency} has been unreachable for {waited:.0f} s "
                         f"(deadline {self.deadline_seconds:.0f} s, buffer.outage_seconds) while {what}; "
                         f"last error {type(exc).__name__}: {exc}") from exc
-                await asyncio.sleep(min(backoff, max(0.0, self.deadline_seconds - waited)))
+                pause = min(backoff, max(0.0, self.deadline_seconds - waited))
+                if give_up is None:
+                    await asyncio.sleep(pause)
+                else:  # a stop is noticed within 0.25 s, not after a backoff of up to 5 s
+                    end = time.monotonic() + pause
+                    while (left := end - time.monotonic()) > 0 and not give_up():
+                        await asyncio.sleep(min(left, 0.25))
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
             if self._down_since is not None:

@@ -113,6 +113,7 @@ class BufferBatchSource:
         self.guard = OutageGuard("trainer", outage_seconds)
         self._batch_id: str | None = None
         self.buffer_metrics: Any = None
+        self._stop_seen: float | None = None  # when a wait first saw ``stop`` (the stop's one grace)
 
     @classmethod
     async def open(cls, cfg: Any, stop: threading.Event | None = None) -> "BufferBatchSource":
@@ -187,15 +188,24 @@ class BufferBatchSource:
         """Acknowledge the batch of ``step`` (idempotent, so retried through a Redis outage)."""
         if self._batch_id is not None:
             bid = self._batch_id
-            await self.guard.call(lambda: self.buf.acknowledge(bid, step), f"acknowledging step {step}")
+            await self.guard.call(lambda: self.buf.acknowledge(bid, step), f"acknowledging step {step}",
+                                  give_up=self._give_up_when_stopping())
 
     def _give_up_when_stopping(self):
-        """A ``give_up`` for :meth:`OutageGuard.call`: True once ``stop`` is set and the call has
-        waited :attr:`stop_outage_seconds`."""
+        """A ``give_up`` for :meth:`OutageGuard.call`: True once ``stop`` has been set for
+        :attr:`stop_outage_seconds`. One grace for every wait of the stop (acknowledge, commit,
+        cursor, announce, recover) together, counted from the first wait that saw ``stop``: a role
+        told to stop (SIGTERM, or its controller died) is gone within that grace (issue #31 item 5)."""
         import time
 
-        started = time.monotonic()
-        return lambda: self.stop.is_set() and time.monotonic() - started >= self.stop_outage_seconds
+        def give_up() -> bool:
+            if not self.stop.is_set():
+                return False
+            if self._stop_seen is None:
+                self._stop_seen = time.monotonic()
+            return time.monotonic() - self._stop_seen >= self.stop_outage_seconds
+
+        return give_up
 
     async def commit(self, step: int) -> None:
         """Commit the groups acknowledged up to ``step`` (idempotent and cumulative; retried through
@@ -227,10 +237,11 @@ class BufferBatchSource:
                 if latest is None or latest.version != version or latest.checksum != checksum:
                     raise
 
-        await self.guard.call(publish, f"announcing policy version {version}")
+        await self.guard.call(publish, f"announcing policy version {version}", give_up=self._give_up_when_stopping())
 
     async def recover(self, step: int, version: int) -> dict[str, Any]:
-        return await self.guard.call(lambda: self.buf.recover(step, version), f"rewinding the buffer to step {step}")
+        return await self.guard.call(lambda: self.buf.recover(step, version), f"rewinding the buffer to step {step}",
+                                     give_up=self._give_up_when_stopping())
 
     async def close(self) -> None:
         await self.buf.close()
