@@ -141,8 +141,10 @@ class DataConfig(_Section):
     """File for ``gsm8k``/``jsonl``/``parquet`` tasks (``question``/``answer`` fields; ``answer`` may use GSM8K's ``####``)."""
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     """Difficulty knobs of the arithmetic task."""
+    seed: int = Field(0, ge=0)
+    """Seed of the train-prompt stream: the order the feeder cycles through the train split in, and the arithmetic task's train problems. Independent of ``run.seed`` (which seeds sampling and the trainer), so runs that differ only in ``run.seed`` see the same prompts in the same order: a paired comparison across seeds (bench/multiseed.py)."""
     num_train_prompts: int = Field(100_000, ge=1)
-    """Size of the (procedural) training split; the feeder cycles through it in a seeded order."""
+    """Size of the (procedural) training split; the feeder cycles through it in a seeded order (``data.seed``)."""
     num_heldout_prompts: int = Field(500, ge=1)
     """Size of the held-out split (disjoint from training by a hash of the problem)."""
     heldout_percent: int = Field(10, ge=1, le=90)

@@ -212,7 +212,7 @@ async def _run(cfg: Any) -> int:
         loop.add_signal_handler(sig, stop.set)
     tokenizer = load_tokenizer(cfg.model.path)
     context = cfg.model.max_context_len or model_context_len(cfg.model.path)
-    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.run.seed)
+    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.data.seed)
     guard = OutageGuard("feeder", cfg.buffer.outage_seconds)
     try:
         buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,

@@ -416,7 +416,7 @@ class TrainPromptStream:
     Args:
         data: the ``data`` config section.
         tokenizer: a Hugging Face tokenizer with a chat template.
-        seed: run seed (selects the order, and for arithmetic the train problems).
+        seed: the prompt-stream seed, ``data.seed`` (selects the order, and for arithmetic the train problems).
     """
 
     def __init__(self, data: DataConfig, tokenizer: Any, seed: int = 0, task: Task | None = None):

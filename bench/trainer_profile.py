@@ -64,7 +64,7 @@ def main_job_batch(cfg, tokenizer, groups: int, samples: int, lo: int, hi: int, 
 
     from asyncrl.tasks import TrainPromptStream
 
-    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.run.seed)
+    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.data.seed)
     g = torch.Generator().manual_seed(seed)
     vocab = len(tokenizer)
     out = []

@@ -89,7 +89,7 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
     cfg = load_config(["--config", str(CONFIG)], environ={})
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.run.seed)
+    stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.data.seed)
     n_prompts = 6 * 400  # more than any run here consumes
     rows = [stream.get(c) for c in range(n_prompts)]
     data = Dataset.from_dict({"prompt": [r.prompt_text for r in rows], "gold": [r.problem.gold for r in rows]})

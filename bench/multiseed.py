@@ -1,0 +1,471 @@
+"""Several seeds per arm, interleaved, with the statistics a claim about learning needs.
+
+One run of the main job is an anecdote: the held-out curve of the same command swings by 20-50
+points between runs (docs/results.md, section 5). This harness runs every arm of a comparison
+once per seed, **interleaved** (seed 1 of every arm, then seed 2, ...), so that a slow drift of
+the machine hits every arm alike, and reports for each arm:
+
+- the mean held-out curve with its spread across seeds (min, max, standard deviation) at each
+  evaluation step;
+- each seed's time to 60/70/80% held-out accuracy (training wall minutes of the first evaluation
+  at or above the level; ``None`` when never reached);
+- ratios of times to a level between arms, ``mean(time of the reference arm) / mean(time of the
+  arm)`` (> 1: the arm is sooner), with a 95% percentile-bootstrap interval over seeds (Efron &
+  Tibshirani 1993, ch. 13); a seed that never reached the level counts with its whole training
+  time, so such a ratio is a bound and is marked ``censored``;
+- per-step training records of every run (train reward, behaviour KL, importance weights,
+  entropy, gradient norm, staleness), so that a collapse can be read off the raw JSON.
+
+``run.seed`` varies what each run samples (rollout engines, trainer, evaluation sampling) while
+``data.seed`` stays fixed, so every seed of every arm sees the same prompts in the same order
+(docs/configuration.md): comparisons are paired by seed.
+
+Each finished run is appended to ``--json`` at once and runs already recorded there (same arm,
+seed and settings) are skipped, so a comparison can be spread over several sittings; ``--replot``
+recomputes the statistics and the figure from the JSON alone.
+
+Usage::
+
+    python bench/multiseed.py --arms async,sync --seeds 3 --steps 100 --eval_every 25 \\
+        --json docs/bench/multiseed_async_sync.json --plot docs/results/multiseed_async_sync.png
+    python bench/multiseed.py --arm abort="--rollout.pause_mode abort" --arms async,abort --seeds 3 ...
+    python bench/multiseed.py --replot --json F --plot F.png
+
+Arms: the built-in ones of :data:`ARMS` (flags added to ``asyncrl train --config
+configs/smollm2_arith.yaml``), ``trl`` (TRL's GRPOTrainer, needs ``trl`` importable: see
+bench/trl_compare.py), and any ``--arm NAME="FLAGS"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
+THRESHOLDS = (0.6, 0.7, 0.8)
+
+#: asyncrl's synchronous mode on the main config (docs/results.md): each step trains the same
+#: 6 groups x 8 samples as the asynchronous default's B = ceil(0.75 * 8) = 6, every phase gets
+#: both cores.
+SYNC_ARGS = ["--partial_percent", "1", "--max_budget", "64", "--max_staleness", "0", "--rollout.rollout_batch_size", "6"]
+
+#: Built-in arms: name -> flags added to ``asyncrl train --config configs/smollm2_arith.yaml``.
+ARMS: dict[str, list[str]] = {
+    "async": [],
+    "sync": SYNC_ARGS,
+    "dynamic": ["--rollout.dynamic_sampling", "true"],
+}
+
+#: Per-step fields kept from ``metrics-trainer.jsonl`` (the trainer's own step records).
+STEP_FIELDS = ("reward/mean", "reward/std", "train/behaviour_kl", "train/importance_weight_mean",
+               "train/importance_weight_max", "train/importance_weight_capped_fraction", "train/clip_fraction",
+               "train/entropy", "train/grad_norm", "train/advantage_std", "train/response_tokens", "train/samples",
+               "staleness/mean", "staleness/max", "time/step_seconds", "time/wait_batch_seconds")
+
+
+#: Run totals kept from the controller's records (their last value).
+BOOK_FIELDS = ("buffer/finished_groups", "buffer/zero_variance_groups", "buffer/zero_variance_share",
+               "buffer/restarts", "buffer/drops", "buffer/skipped_prompts", "buffer/dataset_cursor")
+
+# ----------------------------------------------------------------------------------------------
+# statistics
+
+
+def time_to(curve: Sequence[dict], level: float, key: str = "minutes") -> float | None:
+    """``key`` (minutes or step) of the first point of ``curve`` whose ``accuracy`` >= ``level``.
+
+    Args:
+        curve: evaluations in training order, each ``{"minutes", "step", "accuracy", ...}``.
+        level: accuracy in [0, 1].
+        key: ``minutes`` (training wall minutes) or ``step``.
+
+    Returns:
+        The first such point's ``key``; None when no evaluation reached ``level``.
+    """
+    for point in curve:
+        if point["accuracy"] >= level:
+            return point[key]
+    return None
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _sd(xs: Sequence[float]) -> float:
+    """Sample standard deviation (n - 1); 0 for fewer than two values."""
+    if len(xs) < 2:
+        return 0.0
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def curve_band(curves: Sequence[Sequence[dict]], key: str = "step") -> list[dict]:
+    """The mean held-out curve of several seeds and its spread, at each ``key`` value all share.
+
+    Args:
+        curves: one curve per seed (see :func:`time_to`).
+        key: ``step`` (runs of a fixed number of steps: evaluations line up) or ``minutes``.
+
+    Returns:
+        ``[{key, mean, min, max, sd, n, values, minutes_mean}]`` for each ``key`` value present in
+        every curve, in increasing order (``values``: each seed's accuracy, in the order given).
+    """
+    if not curves:
+        return []
+    common = set.intersection(*({p[key] for p in c} for c in curves))
+    out = []
+    for x in sorted(common):
+        pts = [next(p for p in c if p[key] == x) for c in curves]
+        vals = [p["accuracy"] for p in pts]
+        out.append({key: x, "mean": _mean(vals), "min": min(vals), "max": max(vals), "sd": _sd(vals),
+                    "n": len(vals), "values": vals, "minutes_mean": _mean([p["minutes"] for p in pts])})
+    return out
+
+
+def bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], n_boot: int = 10_000,
+                    seed: int = 0, paired: bool = True, confidence: float = 0.95) -> dict:
+    """``mean(numerator) / mean(denominator)`` with a percentile-bootstrap interval over seeds.
+
+    The bootstrap (Efron & Tibshirani 1993, *An Introduction to the Bootstrap*, ch. 13) resamples
+    seeds with replacement: with ``paired`` the same seed indices for both arms (their runs saw
+    the same prompt stream), else each arm independently.
+
+    Args:
+        numerator, denominator: one value per seed (e.g. minutes to 80% of the reference arm and of
+            the arm), all > 0; paired lists must have equal length.
+        n_boot: bootstrap resamples.
+        seed: seed of the resampling (the interval is deterministic given the inputs).
+        paired: resample seeds jointly.
+        confidence: two-sided coverage of the interval.
+
+    Returns:
+        ``{"ratio", "ci_low", "ci_high", "n"}``.
+
+    Raises:
+        ValueError: an empty list, a non-positive value, or paired lists of different lengths.
+    """
+    if not numerator or not denominator:
+        raise ValueError("bootstrap_ratio needs at least one value in each list")
+    if min(numerator) <= 0 or min(denominator) <= 0:
+        raise ValueError("bootstrap_ratio needs positive values (times)")
+    if paired and len(numerator) != len(denominator):
+        raise ValueError(f"paired bootstrap needs equal lengths, got {len(numerator)} and {len(denominator)}")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(n_boot):
+        if paired:
+            idx = [rng.randrange(len(numerator)) for _ in numerator]
+            a, b = [numerator[i] for i in idx], [denominator[i] for i in idx]
+        else:
+            a = [rng.choice(numerator) for _ in numerator]
+            b = [rng.choice(denominator) for _ in denominator]
+        ratios.append(_mean(a) / _mean(b))
+    ratios.sort()
+    tail = (1.0 - confidence) / 2.0
+    lo = ratios[min(len(ratios) - 1, int(math.floor(tail * n_boot)))]
+    hi = ratios[min(len(ratios) - 1, int(math.ceil((1.0 - tail) * n_boot)) - 1)]
+    return {"ratio": _mean(numerator) / _mean(denominator), "ci_low": lo, "ci_high": hi, "n": len(numerator)}
+
+
+def arm_stats(runs: Sequence[dict], key: str = "step") -> dict:
+    """Statistics of one arm's runs (see the module docstring).
+
+    Args:
+        runs: the arm's run records (``curve``, ``seed``, ``train_minutes``), one per seed.
+
+    Returns:
+        ``{"seeds", "band", "time_to", "best"}``: the seeds, :func:`curve_band`, per-level lists
+        of each seed's minutes to the level (None: never), and each seed's best accuracy.
+    """
+    runs = sorted(runs, key=lambda r: r["seed"])
+    return {
+        "seeds": [r["seed"] for r in runs],
+        "band": curve_band([r["curve"] for r in runs], key),
+        "time_to": {f"{round(lv * 100)}%": [time_to(r["curve"], lv) for r in runs] for lv in THRESHOLDS},
+        "best": [max(p["accuracy"] for p in r["curve"]) for r in runs],
+    }
+
+
+def time_ratio(ref_runs: Sequence[dict], arm_runs: Sequence[dict], level: float, **kw: Any) -> dict | None:
+    """How much sooner ``arm_runs`` reach ``level`` than ``ref_runs``: ref time / arm time, bootstrapped.
+
+    Seeds present in both arms are paired. A seed that never reached the level counts with its
+    training minutes (a lower bound of its time), and the result says ``censored``.
+
+    Returns:
+        :func:`bootstrap_ratio`'s dict plus ``censored`` (bool) and ``seeds``; None when no seed of
+        either arm reached the level (nothing to compare).
+    """
+    ref = {r["seed"]: r for r in ref_runs}
+    arm = {r["seed"]: r for r in arm_runs}
+    seeds = sorted(set(ref) & set(arm))
+    if not seeds:
+        return None
+    num, den, censored, any_reached = [], [], False, False
+    for s in seeds:
+        pair = []
+        for r in (ref[s], arm[s]):
+            t = time_to(r["curve"], level)
+            any_reached |= t is not None
+            if t is None:
+                censored = True
+                t = r["train_minutes"]
+            pair.append(max(t, 1e-6))
+        num.append(pair[0])
+        den.append(pair[1])
+    if not any_reached:
+        return None
+    return {**bootstrap_ratio(num, den, **kw), "censored": censored, "seeds": seeds}
+
+
+def compute_stats(report: dict) -> dict:
+    """Every arm's :func:`arm_stats` and, against the first arm listed in ``report["arms"]``, the
+    ratios of times to each threshold and to the reference arm's mean best (in place; returned)."""
+    key = "step" if report["settings"].get("steps") else "minutes"
+    by_arm: dict[str, list[dict]] = {}
+    for r in report["runs"]:
+        by_arm.setdefault(r["arm"], []).append(r)
+    arms = [a for a in report["arms"] if a in by_arm] + sorted(set(by_arm) - set(report["arms"]))
+    stats: dict[str, Any] = {"arms": {a: arm_stats(by_arm[a], key) for a in arms}}
+    if len(arms) > 1:
+        ref = arms[0]
+        ratios: dict[str, Any] = {}
+        for a in arms[1:]:
+            ratios[a] = {f"{round(lv * 100)}%": time_ratio(by_arm[ref], by_arm[a], lv) for lv in THRESHOLDS}
+        stats["ratios_vs"] = ref
+        stats["ratios"] = ratios
+    report["stats"] = stats
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# runs
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def read_run(run_dir: Path) -> dict:
+    """A finished ``asyncrl train`` run's curve and per-step records, from its run directory.
+
+    Returns:
+        ``{"curve": [{minutes, step, accuracy, ci95_low, ci95_high}], "steps": [{step, minutes,
+        <STEP_FIELDS>}], "train_minutes", "final_step", "books"}`` (minutes of training wall time,
+        evaluation excluded; ``books``: the controller's last value of each :data:`BOOK_FIELDS`).
+    Raises:
+        FileNotFoundError: the run directory has no controller records.
+    """
+    curve, steps, books, last_wall = [], [], {}, 0.0
+    for line in (run_dir / "metrics-controller.jsonl").read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        books.update({k: v for k, v in rec.items() if k in BOOK_FIELDS})
+        last_wall = max(last_wall, float(rec.get("wall_seconds", 0.0)))
+        if "eval/accuracy_sampled" in rec:
+            curve.append({"minutes": rec["wall_seconds"] / 60.0, "step": rec["step"],
+                          "accuracy": rec["eval/accuracy_sampled"], "ci95_low": rec["eval/ci95_low"],
+                          "ci95_high": rec["eval/ci95_high"]})
+    trainer = run_dir / "metrics-trainer.jsonl"
+    if trainer.exists():
+        for line in trainer.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "step" not in rec or "reward/mean" not in rec:
+                continue
+            row = {"step": rec["step"], "minutes": rec.get("wall_seconds", 0.0) / 60.0}
+            row.update({k: rec[k] for k in STEP_FIELDS if k in rec})
+            steps.append(row)
+    train_minutes = max(last_wall / 60.0, steps[-1]["minutes"] if steps else 0.0)
+    return {"curve": curve, "steps": steps, "train_minutes": train_minutes,
+            "final_step": steps[-1]["step"] if steps else 0, "books": books}
+
+
+def run_asyncrl(out_dir: Path, arm: str, seed: int, flags: list[str], settings: dict) -> dict:
+    """``asyncrl train`` on the main config for one (arm, seed); its :func:`read_run` record.
+
+    Raises:
+        SystemExit: the run failed (its log is named).
+    """
+    name = f"{arm}-s{seed}"
+    stop = (["--run.total_steps", str(settings["steps"]), "--run.max_wall_seconds", "36000"] if settings.get("steps")
+            else ["--run.total_steps", "100000", "--run.max_wall_seconds", str(int(settings["minutes"] * 60))])
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(ROOT / settings["config"]), "--run.name", name,
+           "--run.output_dir", str(out_dir), "--run.seed", str(seed), *stop,
+           "--monitoring.eval_interval", str(settings["eval_every"]),
+           "--monitoring.eval_num_problems", str(settings["num_problems"]),
+           "--monitoring.eval_modes", '["sampled"]', "--overwrite", *flags]
+    log = out_dir / f"{name}.log"
+    with log.open("w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT).returncode
+    if rc != 0:
+        raise SystemExit(f"asyncrl train exited {rc}; see {log}")
+    return read_run(out_dir / name)
+
+
+def run_trl_seed(out_dir: Path, seed: int, settings: dict) -> dict:
+    """TRL's GRPOTrainer (bench/trl_compare.py) for ``settings["minutes"]`` with ``seed``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trl_compare import run_trl  # needs trl importable
+
+    curve, summary = run_trl(out_dir / f"trl-s{seed}", settings["minutes"] * 60.0, settings.get("save_every", 90.0),
+                             settings.get("threads", 2), settings["num_problems"], seed=seed)
+    return {"curve": curve, "steps": [], "train_minutes": summary["wall_seconds"] / 60.0,
+            "final_step": summary["steps"]}
+
+
+def plan(arms: Sequence[str], seeds: Iterable[int], done: set[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The (arm, seed) runs still to do, interleaved: every arm's seed s before any arm's seed s + 1."""
+    return [(a, s) for s in seeds for a in arms if (a, s) not in done]
+
+
+def _environment() -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return {"commit": commit, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+
+
+def plot(report: dict, path: Path) -> None:
+    """Mean held-out curve per arm (line), min-max band over seeds (shaded), each seed (thin)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "step" if report["settings"].get("steps") else "minutes"
+    fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red", "tab:brown", "tab:pink", "tab:gray"]
+    for (arm, st), color in zip(report["stats"]["arms"].items(), colors * 4):
+        for r in (r for r in report["runs"] if r["arm"] == arm):
+            ax.plot([p[key] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=color, lw=0.6, alpha=0.45)
+        band = st["band"]
+        xs = [b[key] for b in band]
+        ax.plot(xs, [b["mean"] for b in band], "o-", color=color, lw=2,
+                label=f"{arm} (mean of {len(st['seeds'])} seeds, min-max shaded)")
+        ax.fill_between(xs, [b["min"] for b in band], [b["max"] for b in band], color=color, alpha=0.15)
+    for level in THRESHOLDS:
+        ax.axhline(level, color="gray", lw=0.6, ls=":")
+    ax.set_xlabel("training step" if key == "step" else "training wall time (minutes; evaluation excluded)")
+    ax.set_ylabel("held-out accuracy, T = 1")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(report.get("title") or "held-out accuracy over seeds")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_arms(names: str, custom: Sequence[str]) -> dict[str, list[str] | None]:
+    """``--arms`` and ``--arm NAME=FLAGS`` -> arm name -> flags (None for ``trl``).
+
+    Raises:
+        ValueError: an unknown arm name or a malformed ``--arm``.
+    """
+    defined: dict[str, list[str] | None] = {k: list(v) for k, v in ARMS.items()}
+    defined["trl"] = None
+    for spec in custom:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip() or not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"--arm wants NAME=FLAGS with a plain name, got {spec!r}")
+        defined[name.strip()] = shlex.split(flags)
+    out = {}
+    for n in (x.strip() for x in names.split(",") if x.strip()):
+        if n not in defined:
+            raise ValueError(f"unknown arm {n!r}: built in are {', '.join(defined)}; define others with --arm NAME=FLAGS")
+        out[n] = defined[n]
+    if not out:
+        raise ValueError("--arms names no arm")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", default="async,sync", help="comma-separated arms, the first is the reference of the ratios")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS", help="define an arm by its asyncrl flags")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N (run.seed); data.seed stays fixed")
+    ap.add_argument("--first_seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=None, help="train each run for this many steps (curves by step)")
+    ap.add_argument("--minutes", type=float, default=None, help="or for this many training minutes (curves by time)")
+    ap.add_argument("--eval_every", type=int, default=25, help="held-out evaluation spacing, steps")
+    ap.add_argument("--num_problems", type=int, default=400)
+    ap.add_argument("--config", default="configs/smollm2_arith.yaml")
+    ap.add_argument("--title", default=None)
+    ap.add_argument("--out_dir", type=Path, default=None, help="run directories (default: a temporary folder)")
+    ap.add_argument("--json", type=Path, required=True, help="results; runs already in it are skipped")
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--replot", action="store_true", help="only recompute statistics and the figure from --json")
+    ap.add_argument("--dry_run", action="store_true", help="print the runs still to do and exit")
+    args = ap.parse_args(argv)
+    report = json.loads(args.json.read_text()) if args.json.exists() else None
+    if args.replot:
+        if report is None:
+            ap.error(f"--replot: {args.json} does not exist")
+        compute_stats(report)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        if args.plot:
+            plot(report, args.plot)
+        print(json.dumps(report["stats"], indent=1))
+        return 0
+    if (args.steps is None) == (args.minutes is None):
+        ap.error("give exactly one of --steps and --minutes")
+    try:
+        arms = parse_arms(args.arms, args.arm)
+    except ValueError as exc:
+        ap.error(str(exc))
+    settings = {"config": args.config, "steps": args.steps, "minutes": args.minutes, "eval_every": args.eval_every,
+                "num_problems": args.num_problems}
+    if report is None:
+        report = {"title": args.title, "settings": settings, "arms": list(arms), "arm_flags": {}, "runs": []}
+    elif report["settings"] != settings:
+        ap.error(f"{args.json} holds runs with other settings ({report['settings']}); use another --json")
+    for a in arms:
+        if a not in report["arms"]:
+            report["arms"].append(a)
+        prev = report["arm_flags"].get(a)
+        if prev is not None and prev != arms[a]:
+            ap.error(f"arm {a!r} is recorded with flags {prev}, not {arms[a]}: give the new arm another name")
+        report["arm_flags"][a] = arms[a]
+    if args.title:
+        report["title"] = args.title
+    done = {(r["arm"], r["seed"]) for r in report["runs"]}
+    todo = plan(list(arms), range(args.first_seed, args.first_seed + args.seeds), done)
+    if args.dry_run:
+        print(json.dumps({"todo": todo, "recorded": sorted(done)}))
+        return 0
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="multiseed_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for arm, seed in todo:
+        t0 = time.perf_counter()
+        print(f"multiseed: {arm} seed {seed} ...", flush=True)
+        if arms[arm] is None:
+            rec = run_trl_seed(out_dir, seed, settings)
+        else:
+            rec = run_asyncrl(out_dir, arm, seed, arms[arm], settings)
+        rec.update({"arm": arm, "seed": seed, "real_seconds": time.perf_counter() - t0,
+                    "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_environment()})
+        report["runs"].append(rec)
+        compute_stats(report)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"multiseed: {arm} seed {seed}: " + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in rec["curve"]),
+              flush=True)
+    compute_stats(report)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(report, args.plot)
+    print(json.dumps(report["stats"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The multi-seed benchmark harness (bench/multiseed.py): statistics, interleaving, append/skip,
+and the seed plumbing it relies on (``run.seed`` varies sampling, ``data.seed`` fixes the prompts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ms():
+    spec = importlib.util.spec_from_file_location("multiseed", ROOT / "bench" / "multiseed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _curve(points):
+    return [{"step": s, "minutes": m, "accuracy": a, "ci95_low": a - 0.04, "ci95_high": a + 0.04} for s, m, a in points]
+
+
+def test_time_to_first_evaluation_at_or_above(ms):
+    c = _curve([(0, 0.0, 0.18), (25, 4.0, 0.65), (50, 7.0, 0.59), (75, 10.0, 0.81)])
+    assert ms.time_to(c, 0.6) == 4.0
+    assert ms.time_to(c, 0.65) == 4.0  # "at or above"
+    assert ms.time_to(c, 0.8) == 10.0
+    assert ms.time_to(c, 0.8, key="step") == 75
+    assert ms.time_to(c, 0.9) is None
+
+
+def test_curve_band_mean_spread_and_common_steps(ms):
+    a = _curve([(0, 0.0, 0.2), (25, 4.0, 0.6), (50, 8.0, 0.9)])
+    b = _curve([(0, 0.0, 0.1), (25, 5.0, 0.8)])  # stopped early: step 50 is not common
+    band = ms.curve_band([a, b])
+    assert [p["step"] for p in band] == [0, 25]
+    p25 = band[1]
+    assert p25["mean"] == pytest.approx(0.7) and p25["min"] == 0.6 and p25["max"] == 0.8
+    assert p25["sd"] == pytest.approx(0.1414213, rel=1e-5)  # sample sd of {0.6, 0.8}
+    assert p25["values"] == [0.6, 0.8] and p25["n"] == 2 and p25["minutes_mean"] == pytest.approx(4.5)
+    assert ms.curve_band([]) == []
+
+
+def test_bootstrap_ratio_point_and_interval(ms):
+    # every paired seed has the same ratio 2: the interval collapses onto it
+    r = ms.bootstrap_ratio([4.0, 6.0, 8.0], [2.0, 3.0, 4.0], n_boot=500)
+    assert r["ratio"] == pytest.approx(2.0) and r["ci_low"] == pytest.approx(2.0) and r["ci_high"] == pytest.approx(2.0)
+    # spread: the interval contains the point estimate and is wider than zero
+    r = ms.bootstrap_ratio([4.0, 9.0, 5.0, 7.0], [4.0, 3.0, 5.0, 2.0], n_boot=2000, seed=1)
+    assert r["ci_low"] < r["ratio"] < r["ci_high"]
+    assert r["ratio"] == pytest.approx(25.0 / 14.0)
+    again = ms.bootstrap_ratio([4.0, 9.0, 5.0, 7.0], [4.0, 3.0, 5.0, 2.0], n_boot=2000, seed=1)
+    assert again == r  # deterministic given its seed
+    unpaired = ms.bootstrap_ratio([4.0, 9.0], [4.0, 3.0, 5.0], n_boot=500, paired=False)
+    assert unpaired["n"] == 2
+
+
+@pytest.mark.parametrize("num, den, msg", [([], [1.0], "at least one"), ([1.0], [0.0], "positive"),
+                                           ([1.0, 2.0], [1.0], "equal lengths")])
+def test_bootstrap_ratio_rejects_bad_input(ms, num, den, msg):
+    with pytest.raises(ValueError, match=msg):
+        ms.bootstrap_ratio(num, den)
+
+
+def _run(arm, seed, points, train_minutes=10.0):
+    return {"arm": arm, "seed": seed, "curve": _curve(points), "train_minutes": train_minutes}
+
+
+def test_time_ratio_pairs_seeds_and_marks_censoring(ms):
+    ref = [_run("sync", s, [(0, 0, 0.2), (25, 4.0, 0.6), (50, 8.0, 0.85)]) for s in (1, 2, 3)]
+    arm = [_run("async", s, [(0, 0, 0.2), (25, 2.0, 0.7), (50, 4.0, 0.82)]) for s in (1, 2, 3)]
+    r = ms.time_ratio(ref, arm, 0.8)
+    assert r["ratio"] == pytest.approx(2.0) and not r["censored"] and r["seeds"] == [1, 2, 3]
+    # one async seed never reaches 80%: its whole training time stands in, and the ratio says so
+    arm[2] = _run("async", 3, [(0, 0, 0.2), (25, 2.0, 0.7)], train_minutes=5.0)
+    r = ms.time_ratio(ref, arm, 0.8)
+    assert r["censored"] and r["ratio"] == pytest.approx(24.0 / 13.0)
+    assert ms.time_ratio(ref, arm, 0.95) is None  # nobody reached it
+    assert ms.time_ratio(ref, [_run("async", 9, [(0, 0, 0.9)])], 0.8) is None  # no common seed
+
+
+def test_plan_interleaves_seeds_and_skips_recorded_runs(ms):
+    todo = ms.plan(["async", "sync"], range(1, 4), done={("async", 1), ("sync", 2)})
+    assert todo == [("sync", 1), ("async", 2), ("async", 3), ("sync", 3)]
+
+
+def test_parse_arms(ms):
+    arms = ms.parse_arms("async,sync,abort,trl", ["abort=--rollout.pause_mode abort"])
+    assert arms["async"] == [] and arms["sync"] == ms.SYNC_ARGS and arms["trl"] is None
+    assert arms["abort"] == ["--rollout.pause_mode", "abort"]
+    with pytest.raises(ValueError, match="unknown arm 'nope'"):
+        ms.parse_arms("async,nope", [])
+    with pytest.raises(ValueError, match="NAME=FLAGS"):
+        ms.parse_arms("async", ["no equals sign"])
+    with pytest.raises(ValueError, match="names no arm"):
+        ms.parse_arms(" , ", [])
+
+
+def test_compute_stats_and_replot_from_json(ms, tmp_path):
+    runs = [_run("async", s, [(0, 0, 0.2), (25, 3.0, 0.7 + 0.02 * s), (50, 6.0, 0.85)]) for s in (1, 2, 3)]
+    runs += [_run("sync", s, [(0, 0, 0.2), (25, 4.0, 0.75), (50, 8.0, 0.8 + 0.01 * s)]) for s in (1, 2, 3)]
+    report = {"title": "t", "settings": {"steps": 50, "minutes": None, "config": "c", "eval_every": 25,
+                                         "num_problems": 400},
+              "arms": ["sync", "async"], "arm_flags": {"sync": [], "async": []}, "runs": runs}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    png = tmp_path / "r.png"
+    assert ms.main(["--replot", "--json", str(path), "--plot", str(png)]) == 0
+    out = json.loads(path.read_text())
+    st = out["stats"]
+    assert st["ratios_vs"] == "sync"
+    assert st["arms"]["async"]["time_to"]["80%"] == [6.0, 6.0, 6.0]
+    assert st["arms"]["sync"]["time_to"]["80%"] == [8.0, 8.0, 8.0]
+    assert st["ratios"]["async"]["80%"]["ratio"] == pytest.approx(8.0 / 6.0)
+    assert st["arms"]["async"]["band"][1]["mean"] == pytest.approx(0.74)
+    assert png.stat().st_size > 10_000
+
+
+def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path, capsys):
+    path = tmp_path / "r.json"
+    settings = {"config": "configs/smollm2_arith.yaml", "steps": 50, "minutes": None, "eval_every": 25,
+                "num_problems": 400}
+    path.write_text(json.dumps({"title": None, "settings": settings, "arms": ["async"], "arm_flags": {"async": []},
+                                "runs": [_run("async", 1, [(0, 0, 0.2)])]}))
+    assert ms.main(["--arms", "async,sync", "--seeds", "2", "--steps", "50", "--json", str(path), "--dry_run"]) == 0
+    todo = json.loads(capsys.readouterr().out)["todo"]
+    assert todo == [["sync", 1], ["async", 2], ["sync", 2]]
+    with pytest.raises(SystemExit):
+        ms.main(["--arms", "async", "--seeds", "2", "--steps", "100", "--json", str(path), "--dry_run"])
+    assert "other settings" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an arm recorded with other flags must get another name
+        ms.main(["--arms", "async", "--arm", "async=--trainer.optimizer.lr 1e-5", "--seeds", "1", "--steps", "50",
+                 "--json", str(path), "--dry_run"])
+    assert "another name" in capsys.readouterr().err
+
+
+def test_read_run_from_a_run_directory(ms, tmp_path):
+    run = tmp_path / "async-s1"
+    run.mkdir()
+    ctl = [{"step": 0, "wall_seconds": 0.3, "eval/accuracy_sampled": 0.18, "eval/ci95_low": 0.14, "eval/ci95_high": 0.22},
+           {"step": 3, "wall_seconds": 61.0, "buffer/zero_variance_share": 0.25, "buffer/restarts": 4},
+           {"step": 5, "wall_seconds": 90.0, "eval/accuracy_sampled": 0.5, "eval/ci95_low": 0.45, "eval/ci95_high": 0.55,
+            "buffer/zero_variance_share": 0.5}]
+    (run / "metrics-controller.jsonl").write_text("\n".join(json.dumps(r) for r in ctl) + "\n")
+    tr = [{"step": s, "wall_seconds": 18.0 * s, "reward/mean": 0.1 * s, "train/behaviour_kl": 0.01, "other": 1}
+          for s in range(1, 6)]
+    (run / "metrics-trainer.jsonl").write_text("\n".join(json.dumps(r) for r in tr) + "\n")
+    rec = ms.read_run(run)
+    assert [p["step"] for p in rec["curve"]] == [0, 5] and rec["curve"][1]["minutes"] == pytest.approx(1.5)
+    assert rec["final_step"] == 5 and rec["train_minutes"] == pytest.approx(1.5)
+    assert rec["steps"][0] == {"step": 1, "minutes": pytest.approx(0.3), "reward/mean": 0.1, "train/behaviour_kl": 0.01}
+    assert rec["books"] == {"buffer/zero_variance_share": 0.5, "buffer/restarts": 4}
+
+
+def test_run_seed_varies_sampling_while_data_seed_fixes_the_prompts(tiny_model_dir):
+    """Two runs that differ only in ``run.seed`` are fed the same prompts in the same order and
+    sample differently; ``data.seed`` is what changes the prompts."""
+    import torch
+
+    from asyncrl.config import load_config
+    from asyncrl.models import load_tokenizer
+    from asyncrl.tasks import TrainPromptStream
+    from rollout_server.engine import Engine
+
+    tok = load_tokenizer(tiny_model_dir)
+
+    def cfg(*flags):
+        return load_config(["--model_path", str(tiny_model_dir), "--data.num_train_prompts", "40", *flags], environ={})
+
+    def prompts(c):
+        stream = TrainPromptStream(c.data, tok, seed=c.data.seed)
+        return [stream.get(i).prompt_ids for i in range(12)]
+
+    c1, c2, c3 = cfg("--run.seed", "1"), cfg("--run.seed", "2"), cfg("--run.seed", "1", "--data.seed", "7")
+    assert prompts(c1) == prompts(c2)
+    assert prompts(c1) != prompts(c3)
+
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.engine import EngineGroup, EngineSample
+    from rollout_server.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+    def sample(seed):
+        """Four rows of the rollout worker's kind (no per-request seed) on an engine seeded like rollout-0."""
+        done = threading.Event()
+        samples = [EngineSample(rid=f"r{i}", prompt_ids=[1, 2, 3],
+                                params=SamplingParams(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=-1,
+                                                      stop_token_ids=[], sampling_seed=None)) for i in range(4)]
+
+        def on_update(updated):
+            if all(s.published[1] is not None for s in samples):
+                done.set()
+
+        eng = Engine(model, tok, context_len=64, max_batch_size=4, seed=seed, on_update=on_update)
+        eng.start()
+        try:
+            eng.submit([EngineGroup([1, 2, 3], samples)])
+            assert done.wait(60), "the engine did not finish 4 short rows in 60 s"
+        finally:
+            eng.stop()
+        return [list(s.output_ids) for s in samples]
+
+    assert sample(c1.run.seed) == sample(c1.run.seed)  # the seed fixes the engine's sampling
+    assert sample(c1.run.seed) != sample(c2.run.seed)
