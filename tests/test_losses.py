@@ -261,3 +261,67 @@ def test_overlong_penalty_is_added_to_the_reward_before_advantages():
     assert [s.reward for s in batch.samples] == [1.0, 0.0]  # 2 tokens: no penalty (<= L_max - L_cache)
     assert batch.samples[0].advantages.tolist() == [0.5, 0.5]
     assert [s.reward for s in prepare_batch([group], _cfg(), 3).samples] == [1.0, 1.0]  # off by default
+
+
+def test_masked_importance_weights_drop_tokens_outside_the_band():
+    # decoupled, mask mode, cap 2: weights 3.0 and 0.25 lie outside [0.5, 2] and leave the loss;
+    # 0.6 and 1.5 stay and are used as they are (not truncated)
+    behav = torch.zeros(4, dtype=torch.float64) - 1.0
+    prox = behav + torch.tensor([ln(3.0), ln(0.6), ln(0.25), ln(1.5)], dtype=torch.float64)
+    logp = _leaf(prox.tolist())  # u = 1: inside the clip
+    adv = torch.tensor([1.0, 1.0, -1.0, -2.0], dtype=torch.float64)
+    w = torch.full((4,), 0.25, dtype=torch.float64)
+    s = LossSettings(correction="decoupled", importance_weight_cap=2.0, importance_weight_mode="mask", dual_clip_c=None)
+    loss, sums = policy_loss(LossInputs(logp, behav, adv, w, prox_logprobs=prox), s)
+    assert float(loss.detach()) == pytest.approx((-0.6 * 1.0 + 1.5 * 2.0) / 4, abs=1e-12)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([0.0, -0.6, 0.0, 3.0], dtype=torch.float64) / 4, atol=1e-12)
+    assert sums["imp_weight_masked"] == 2 and sums["tokens"] == 4 and sums["imp_weight_capped"] == 1
+    # truncate mode on the same tokens trains all four, the first at the cap
+    logp2 = _leaf(prox.tolist())
+    loss2, sums2 = policy_loss(LossInputs(logp2, behav, adv, w, prox_logprobs=prox),
+                               LossSettings(correction="decoupled", importance_weight_cap=2.0, dual_clip_c=None))
+    assert float(loss2.detach()) == pytest.approx((-2.0 - 0.6 + 0.25 + 3.0) / 4, abs=1e-12)
+    assert sums2["imp_weight_masked"] == 0
+
+
+def test_masked_tis_and_unknown_mode():
+    behav = torch.tensor([-1.0, -1.0], dtype=torch.float64)
+    logp = _leaf([-1.0 + ln(3.0), -1.0])
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    w = torch.full((2,), 0.5, dtype=torch.float64)
+    loss, sums = policy_loss(LossInputs(logp, behav, adv, w),
+                             LossSettings(correction="tis", importance_weight_cap=2.0, importance_weight_mode="mask"))
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([0.0, -0.5], dtype=torch.float64), atol=1e-12)
+    assert sums["imp_weight_masked"] == 1
+    with pytest.raises(ValueError, match="truncate' or 'mask"):
+        policy_loss(LossInputs(_leaf([-1.0]), behav[:1], adv[:1], w[:1]),
+                    LossSettings(correction="tis", importance_weight_mode="clip"))
+
+
+def test_gspo_sequence_ratio_and_weight_hand_values_and_gradient():
+    # sample 0: log(pi/prox) = [ln 1.2, ln 1.2] -> u = 1.2; log(prox/behav) = [ln 4, 0] -> w = 2
+    # sample 1: log(pi/prox) = [ln 0.5, ln 2] -> u = 1;   log(prox/behav) = [ln 0.25, 0] -> w = 0.5
+    behav = torch.full((4,), -2.0, dtype=torch.float64)
+    prox = behav + torch.tensor([ln(4.0), 0.0, ln(0.25), 0.0], dtype=torch.float64)
+    logp = _leaf((prox + torch.tensor([ln(1.2), ln(1.2), ln(0.5), ln(2.0)], dtype=torch.float64)).tolist())
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    w = torch.full((4,), 0.25, dtype=torch.float64)
+    idx = torch.tensor([7, 7, 3, 3])
+    s = LossSettings(correction="gspo", importance_weight_cap=5.0, dual_clip_c=None)
+    loss, sums = policy_loss(LossInputs(logp, behav, adv, w, prox_logprobs=prox, sample_index=idx), s)
+    assert float(loss.detach()) == pytest.approx((-2.4 * 2 + 0.5 * 2) / 4, abs=1e-12)
+    loss.backward()
+    # GSPO-token (eq. 10): every token of a sample carries the sequence ratio's gradient u_i
+    assert torch.allclose(logp.grad, torch.tensor([-0.6, -0.6, 0.125, 0.125], dtype=torch.float64), atol=1e-12)
+    # the same gradient from the sequence-level objective J = sum_i W_i w_i u_i A_i, u_i = exp(mean log ratio)
+    x = logp.detach().clone().requires_grad_(True)
+    lr_ = x - prox
+    u = torch.stack([lr_[:2].mean().exp(), lr_[2:].mean().exp()])
+    ref = -(0.5 * torch.tensor([2.0, 0.5], dtype=torch.float64) * u * torch.tensor([1.0, -1.0], dtype=torch.float64)).sum()
+    ref.backward()
+    assert torch.allclose(x.grad, logp.grad, atol=1e-12)
+    assert sums["imp_weight_max"] == pytest.approx(2.0) and sums["imp_weight_sum"] == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="sample_index"):
+        policy_loss(LossInputs(logp.detach(), behav, adv, w, prox_logprobs=prox), s)

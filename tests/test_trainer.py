@@ -189,3 +189,30 @@ def test_early_stop_on_importance_ratio(tmp_path, tiny_model_dir, tiny_model):
     assert trainer.step == 1 and trainer.optimizer_steps == 1
     assert res.history[0]["early_stopped"] == 1.0 and res.history[0]["early_stopped_at_minibatch"] == 1.0
     trainer.close()
+
+
+@pytest.mark.parametrize("loss", [{"correction": "gspo"}, {"correction": "decoupled", "importance_weight_mode": "mask"},
+                                  {"correction": "gspo", "importance_weight_mode": "mask"}])
+def test_sequence_level_and_masked_importance_weights_train(tmp_path, tiny_model_dir, tiny_model, loss):
+    """GSPO's sequence ratios and masked IS run through the real trainer (two mini-batches, so the
+    proximal policy differs from the trained one), and tokens far off the behaviour policy are
+    masked rather than trained at the cap."""
+    from trainer.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, ppo_n_minibatches=2, loss=loss)
+    vocab = tiny_model.config.vocab_size
+    trainer = Trainer(cfg, model=copy.deepcopy(tiny_model))
+    before = {k: v.detach().clone() for k, v in trainer.module.named_parameters()}
+    groups = make_groups(4, vocab)
+    for s in groups[0]["samples"]:  # a behaviour policy far below the trainer's: weights >> cap
+        s["behaviour_logprobs"] = [-30.0] * len(s["response_ids"])
+    res = train_loop(trainer, ListBatchSource([groups]), max_steps=1)
+    h = res.history[0]
+    assert trainer.optimizer_steps == 2 and math.isfinite(h["loss"])
+    masked = h["importance_weight_masked_fraction"]
+    if loss.get("importance_weight_mode") == "mask":
+        assert 0.0 < masked < 1.0  # the far-off group left the loss, the others stayed
+    else:
+        assert masked == 0.0 and h["importance_weight_capped_fraction"] > 0.0
+    assert any(not torch.equal(before[k], v) for k, v in trainer.module.named_parameters())
+    trainer.close()

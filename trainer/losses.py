@@ -25,7 +25,23 @@ differences; ``A`` the advantage; ``eps_l``/``eps_h`` the clip range, DAPO clip-
   policy version than the weights being trained are removed from the loss (the caller zeroes
   their weight); the rest get PPO clip with ``r = pi_theta / pi_behav``;
 - ``none`` — PPO clip (Schulman et al. 2017) with ``r = pi_theta / pi_behav``: the synchronous
-  on-policy case, where the behaviour policy is the old policy.
+  on-policy case, where the behaviour policy is the old policy;
+- ``gspo`` — decoupled PPO at the sequence level (GSPO, Zheng et al. 2025, arXiv:2507.18071,
+  eq. 7 and its token form GSPO-token, eq. 10, with AReaL's proximal policy): per sample ``i``,
+  ``u_i = exp(mean_t (log pi_theta - log pi_prox))`` enters every token of ``i`` as
+  ``sg(u_i) * pi_theta_t / sg(pi_theta_t)`` and is clipped like a token ratio, and the behaviour
+  weight is the sequence's geometric mean ``w_i = min(exp(mean_t (log pi_prox - log pi_behav)),
+  cap)``: one weight per sample, so a single token whose probability moved a lot between the
+  behaviour and the proximal policy no longer gets a weight of its own (the per-token weights
+  of ``decoupled`` reach the cap on such tokens). Needs ``LossInputs.sample_index``.
+
+``importance_weight_mode`` (``decoupled``, ``tis`` and ``gspo``): ``truncate`` multiplies by
+``min(w, cap)`` (IMPALA's truncation; Yao et al. 2025's TIS for the rollout/trainer mismatch);
+``mask`` drops from the loss every token whose weight lies outside ``[1/cap, cap]`` and uses the
+weight unchanged inside (masked importance sampling: the Ring-1T report's IcePop, arXiv:2510.18855,
+masks tokens outside ``[0.5, 5]``; Liu et al. 2025, "When Speed Kills Stability", the
+sequence-level variant), so a token that the behaviour policy sampled where the current policy
+no longer would is not trained at all instead of being trained at the cap.
 
 Dual clip (Ye et al. 2020, *Mastering Complex Control in MOBA Games*, eq. 5): for ``A < 0`` the
 clipped objective is further bounded, ``pg = min(pg, -c A)``.
@@ -58,7 +74,7 @@ __all__ = [
     "aggregation_weights",
 ]
 
-Correction = Literal["decoupled", "tis", "mask_stale", "none"]
+Correction = Literal["decoupled", "tis", "mask_stale", "none", "gspo"]
 
 
 @dataclass
@@ -73,6 +89,7 @@ class LossSettings:
     entropy_coef: float = 0.0
     correction: Correction = "decoupled"
     importance_weight_cap: float = 5.0
+    importance_weight_mode: Literal["truncate", "mask"] = "truncate"
 
     @classmethod
     def from_config(cls, loss_cfg) -> "LossSettings":
@@ -92,6 +109,8 @@ class LossInputs:
         prox_logprobs: log pi_prox (weights at the start of the step); required for ``decoupled``.
         ref_logprobs: log pi_ref of the frozen reference model; required when ``kl_coef > 0``.
         entropy: per-token entropy of pi_theta (with grad when ``entropy_coef > 0``).
+        sample_index: (T,) int64, the sample each token belongs to (any ids, shared by the tokens
+            of one sample); required for ``gspo``.
     """
 
     logprobs: torch.Tensor
@@ -101,6 +120,7 @@ class LossInputs:
     prox_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    sample_index: torch.Tensor | None = None
 
 
 def token_logprobs_and_entropy(
@@ -205,6 +225,37 @@ def kl_penalty(logprobs_T: torch.Tensor, ref_logprobs_T: torch.Tensor, estimator
     raise ValueError(f"kl_estimator must be k1, k2 or k3, got {estimator!r}")
 
 
+def sequence_mean(values_T: torch.Tensor, sample_index_T: torch.Tensor, active_T: torch.Tensor) -> torch.Tensor:
+    """Each token's sample mean of ``values`` over the sample's active tokens, broadcast back to tokens.
+
+    Args:
+        values_T: (T,) per-token values (e.g. log-ratios; gradients flow through).
+        sample_index_T: (T,) the sample of each token (any ids).
+        active_T: (T,) bool, the tokens that count (loss tokens); a sample without one gets 0.
+
+    Returns:
+        (T,) ``mean_{t' in sample(t), active} values_t'`` for every token t.
+    """
+    if values_T.numel() == 0:
+        return values_T
+    _, inverse = torch.unique(sample_index_T, return_inverse=True)
+    n = int(inverse.max()) + 1
+    act = active_T.to(values_T.dtype)
+    sums = torch.zeros(n, dtype=values_T.dtype).index_add(0, inverse, values_T * act)
+    counts = torch.zeros(n, dtype=values_T.dtype).index_add(0, inverse, act).clamp(min=1.0)
+    return (sums / counts)[inverse]
+
+
+def _weigh(imp_weight: torch.Tensor, cap: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour weight as applied, and the tokens it leaves in the loss (see the module docstring)."""
+    if mode == "truncate":
+        return imp_weight.clamp(max=cap), torch.ones_like(imp_weight, dtype=torch.bool)
+    if mode == "mask":
+        keep = (imp_weight >= 1.0 / cap) & (imp_weight <= cap)
+        return torch.where(keep, imp_weight, torch.zeros_like(imp_weight)), keep
+    raise ValueError(f"importance_weight_mode must be 'truncate' or 'mask', got {mode!r}")
+
+
 def policy_loss(inputs: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, float]]:
     """The micro-batch's contribution to the mini-batch loss, and summed diagnostics.
 
@@ -216,11 +267,12 @@ def policy_loss(inputs: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict
         ``(loss, sums)``: the scalar loss ``sum_t weight_t * (pg_t + kl_coef kl_t - entropy_coef H_t)``
         and a dict of sums over the micro-batch's loss tokens (``tokens``, ``clipped_tokens``,
         ``dual_clipped_tokens``, ``imp_weight_sum``, ``imp_weight_max``, ``imp_weight_capped``,
-        ``ratio_sum``, ``behaviour_kl_sum``, ``entropy_sum``, ``ref_kl_sum``, ``pg_loss``,
+        ``imp_weight_masked`` (tokens ``mask`` mode removed), ``ratio_sum``, ``behaviour_kl_sum``, ``entropy_sum``, ``ref_kl_sum``, ``pg_loss``,
         ``kl_loss``, ``entropy_loss``), combined across micro-batches by the trainer.
 
     Raises:
-        ValueError: ``decoupled`` without ``prox_logprobs``, or ``kl_coef > 0`` without ``ref_logprobs``.
+        ValueError: ``decoupled`` without ``prox_logprobs``, ``gspo`` without ``prox_logprobs`` or
+            ``sample_index``, an unknown ``importance_weight_mode``, or ``kl_coef > 0`` without ``ref_logprobs``.
     """
     logp, behav, adv, w = inputs.logprobs, inputs.behaviour_logprobs, inputs.advantages, inputs.weight
     active = w > 0
@@ -232,12 +284,25 @@ def policy_loss(inputs: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict
         ratio = torch.exp(logp - prox)
         imp_weight = torch.exp(prox - behav)
         pg, clipped, dual = ppo_clip_terms(ratio, adv, s.clip_eps_low, s.clip_eps_high, s.dual_clip_c)
-        pg = pg * imp_weight.clamp(max=cap)
+        applied, kept = _weigh(imp_weight, cap, s.importance_weight_mode)
+        pg = pg * applied
+        trainer_logp = prox
+    elif s.correction == "gspo":
+        if inputs.prox_logprobs is None or inputs.sample_index is None:
+            raise ValueError("correction 'gspo' needs prox_logprobs and sample_index")
+        prox = inputs.prox_logprobs.detach()
+        seq_log_u = sequence_mean(logp - prox, inputs.sample_index, active)
+        ratio = torch.exp(seq_log_u.detach()) * torch.exp(logp - logp.detach())  # GSPO-token, eq. 10
+        imp_weight = torch.exp(sequence_mean(prox - behav, inputs.sample_index, active))
+        pg, clipped, dual = ppo_clip_terms(ratio, adv, s.clip_eps_low, s.clip_eps_high, s.dual_clip_c)
+        applied, kept = _weigh(imp_weight, cap, s.importance_weight_mode)
+        pg = pg * applied
         trainer_logp = prox
     elif s.correction == "tis":
         ratio = torch.exp(logp - behav)
         imp_weight = ratio.detach()
-        pg = -imp_weight.clamp(max=cap) * adv * logp
+        applied, kept = _weigh(imp_weight, cap, s.importance_weight_mode)
+        pg = -applied * adv * logp
         clipped = torch.zeros_like(active)
         dual = torch.zeros_like(active)
         trainer_logp = logp.detach()
@@ -245,9 +310,12 @@ def policy_loss(inputs: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict
         ratio = torch.exp(logp - behav)
         imp_weight = ratio.detach()
         pg, clipped, dual = ppo_clip_terms(ratio, adv, s.clip_eps_low, s.clip_eps_high, s.dual_clip_c)
+        kept = torch.ones_like(active)
         trainer_logp = logp.detach()
     else:
-        raise ValueError(f"unknown correction {s.correction!r}; choose decoupled, tis, mask_stale or none")
+        raise ValueError(f"unknown correction {s.correction!r}; choose decoupled, tis, mask_stale, none or gspo")
+    if s.importance_weight_mode == "mask":
+        w = w * kept  # masked tokens leave the loss (and its KL and entropy terms)
 
     per_token = pg
     kl_sum = 0.0
@@ -277,6 +345,7 @@ def policy_loss(inputs: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict
             "imp_weight_sum": float(iw.sum()),
             "imp_weight_max": float(iw.max()) if iw.numel() else 0.0,
             "imp_weight_capped": float((iw > cap).sum()),
+            "imp_weight_masked": float((~kept.detach()[active]).sum()),
             "ratio_sum": float(ratio.detach()[active].sum()),
             "behaviour_kl_sum": float((torch.exp(-log_mismatch) - 1.0 + log_mismatch).sum()),
             "entropy_sum": float(inputs.entropy.detach()[active].sum()) if inputs.entropy is not None else 0.0,

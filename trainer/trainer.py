@@ -57,7 +57,7 @@ __all__ = ["Trainer", "MiniBatch", "StepPlan", "CheckpointError"]
 log = logging.getLogger("asyncrl.trainer")
 
 _CRITIC_SUM_KEYS = ("value_loss", "value_clipped_tokens", "value_tokens")
-_SUM_KEYS = ("tokens", "clipped_tokens", "dual_clipped_tokens", "imp_weight_sum", "imp_weight_capped",
+_SUM_KEYS = ("tokens", "clipped_tokens", "dual_clipped_tokens", "imp_weight_sum", "imp_weight_capped", "imp_weight_masked",
              "ratio_sum", "behaviour_kl_sum", "entropy_sum", "ref_kl_sum", "pg_loss", "kl_loss",
              "entropy_loss", "loss", "processed_tokens")
 
@@ -347,7 +347,7 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
                 minibatches.append(MiniBatch(len(minibatches), epoch, False, idx, mine, tokens, seqs))
         minibatches[-1].is_last = True
         plan = StepPlan(batch, minibatches, self.step, metrics=dict(batch.stats))
-        need_prox = self.loss_settings.correction == "decoupled" and len(minibatches) > 1
+        need_prox = self.loss_settings.correction in ("decoupled", "gspo") and len(minibatches) > 1
         if need_prox or self.ref_model is not None:
             was_training = self.module.training
             self.module.eval()
@@ -406,7 +406,7 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
                 adv.append(smp.advantages)
                 mask.append(smp.loss_mask)
                 owner.append(torch.full((end - start,), i, dtype=torch.long))
-                if s.correction == "decoupled" and not single_step:
+                if s.correction in ("decoupled", "gspo") and not single_step:
                     prox.append(plan.prox_logprobs[i])
                 if self.ref_model is not None:
                     ref.append(plan.ref_logprobs[i])
@@ -415,10 +415,10 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
             weight = aggregation_weights(cat(mask), sample_index, self.cfg.trainer.loss.aggregation,
                                          mb.total_loss_tokens, mb.total_loss_samples)
             prox_t = None
-            if s.correction == "decoupled":
+            if s.correction in ("decoupled", "gspo"):
                 prox_t = logprobs.detach() if single_step else cat(prox)
             inputs = LossInputs(logprobs, cat(behav), cat(adv), weight, prox_t,
-                                cat(ref) if self.ref_model is not None else None, entropy)
+                                cat(ref) if self.ref_model is not None else None, entropy, sample_index)
             loss, part = policy_loss(inputs, s)
             if j == 0 and check_early:
                 ratio_sum, tokens = self._all_reduce([part["ratio_sum"], part["tokens"]])
@@ -449,6 +449,7 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
             "importance_weight_mean": total["imp_weight_sum"] / tok,
             "importance_weight_max": imp_max,
             "importance_weight_capped_fraction": total["imp_weight_capped"] / tok,
+            "importance_weight_masked_fraction": total["imp_weight_masked"] / tok,
             "ratio_mean": total["ratio_sum"] / tok,
             "behaviour_kl": total["behaviour_kl_sum"] / tok,
             "entropy": total["entropy_sum"] / tok,
