@@ -303,6 +303,10 @@ class RolloutConfig(_Section):
     """Embedded engine: largest ``top_logprobs_num`` a request may ask (400 beyond; OpenAI caps ``top_logprobs`` at 20)."""
     engine_cumulative_stream_entries: int = Field(4096, ge=64, le=1_000_000)
     """Embedded engine: a cumulative stream's next chunk waits for ``ceil(sent x (1 + top_logprobs_num) / this)`` new tokens, so a stream's total output is linear in its length."""
+    engine_max_request_cost: int = Field(1 << 20, ge=1, le=2**40)
+    """Embedded engine: most output entries one ``/generate`` request may produce, samples x ``max_new_tokens`` x logprob width (2 + ``top_logprobs_num`` with ``return_logprob``, else 1); more is a 400 naming the bound (docs/security.md)."""
+    engine_fair_reserve_rows: int | None = Field(None, ge=0, le=1_000_000)
+    """Embedded engine: decode rows that requests with more samples than this never take together, so small requests keep running beside a big one (None: ``engine_max_batch_size // 8``; docs/security.md)."""
     engine_header_timeout_seconds: float = Field(20.0, ge=0.1, le=3600.0)
     """Embedded engine: a connection must deliver a complete request head within this (also the idle keep-alive timeout)."""
     engine_body_timeout_seconds: float = Field(60.0, ge=0.1, le=3600.0)
@@ -387,10 +391,12 @@ class LossConfig(_Section):
     """L_cache of DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, section 3.4): a response longer than ``max_response_len - L_cache`` tokens gets ``overlong_penalty_factor * ((L_max - L_cache) - |y|) / L_cache`` added to its reward (reaching -1 x factor at L_max = ``rollout.max_response_len``). 0: off; must be below ``max_response_len``."""
     overlong_penalty_factor: float = Field(1.0, gt=0.0, le=100.0)
     """Scale of the soft overlong penalty (verl's ``overlong_buffer.penalty_factor``; DAPO uses 1)."""
-    correction: Literal["decoupled", "tis", "mask_stale", "none"] = "decoupled"
-    """Off-policy correction for stale tokens: decoupled PPO (AReaL), truncated IS, masking old-version tokens, or none."""
+    correction: Literal["decoupled", "tis", "mask_stale", "none", "gspo"] = "decoupled"
+    """Off-policy correction for stale tokens: decoupled PPO (AReaL), truncated IS, masking old-version tokens, none, or ``gspo`` (decoupled PPO with sequence-level ratios and behaviour weights: GSPO, arXiv:2507.18071; trainer/losses.py)."""
     importance_weight_cap: float = Field(5.0, gt=1.0)
-    """Cap of the behaviour importance weight pi_prox/pi_behav (decoupled) or pi/pi_behav (tis)."""
+    """Cap of the behaviour importance weight pi_prox/pi_behav (decoupled; the sequence's geometric mean for gspo) or pi/pi_behav (tis)."""
+    importance_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """How the behaviour weight is bounded: ``truncate`` uses min(w, cap) (TIS); ``mask`` drops tokens whose weight is outside [1/cap, cap] from the loss and keeps w inside (masked IS, IcePop: arXiv:2510.18855)."""
 
 
 class OptimizerConfig(_Section):

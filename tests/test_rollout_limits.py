@@ -349,3 +349,18 @@ def test_gloo_listens_on_server_host_and_update_works(model_dir, tmp_path):
         assert str(version) == "7"
     finally:
         srv.stop()
+
+
+def test_config_limit_fields_reach_the_server_flags():
+    """Every ``rollout.engine_*`` limit the config sets becomes the launched server's flag, the
+    per-request cost bound and the fair reserve included (a config field without its flag would be
+    silently ignored)."""
+    from asyncrl.config import load_config
+    from rollout_server.limits import limit_flags
+
+    cfg = load_config(["--rollout.engine_max_request_cost", "5000", "--rollout.engine_fair_reserve_rows", "3"], environ={})
+    flags = limit_flags(cfg.rollout)
+    pairs = dict(zip(flags[::2], flags[1::2]))
+    assert pairs["--max-request-cost"] == "5000" and pairs["--fair-reserve-rows"] == "3"
+    default = dict(zip(*[iter(limit_flags(load_config([], environ={}).rollout))] * 2))
+    assert default["--max-request-cost"] == str(1 << 20) and "--fair-reserve-rows" not in default  # None: the server's own
