@@ -422,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         arms = parse_arms(args.arms, args.arm)
     except ValueError as exc:
         ap.error(str(exc))
+    if "trl" in arms and args.steps is not None:
+        ap.error("the trl arm runs for a time, not a step count: use --minutes")
     settings = {"config": args.config, "steps": args.steps, "minutes": args.minutes, "eval_every": args.eval_every,
                 "num_problems": args.num_problems}
     if report is None:

@@ -136,6 +136,9 @@ def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path
         ms.main(["--arms", "async", "--arm", "async=--trainer.optimizer.lr 1e-5", "--seeds", "1", "--steps", "50",
                  "--json", str(path), "--dry_run"])
     assert "another name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # TRL trains for a time: a step-count comparison cannot hold it
+        ms.main(["--arms", "async,trl", "--seeds", "1", "--steps", "50", "--json", str(path), "--dry_run"])
+    assert "use --minutes" in capsys.readouterr().err
 
 
 def test_read_run_from_a_run_directory(ms, tmp_path):
