@@ -365,6 +365,41 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(report: dict) -> str:
+    """The statistics as markdown tables: held-out accuracy per evaluation (mean [min, max] over
+    seeds, then each seed), times to 60/70/80% per seed, and the bootstrap ratios."""
+    key = "step" if report["settings"].get("steps") else "minutes"
+    st = report["stats"]
+    arms = list(st["arms"])
+    xs = sorted(set.intersection(*({b[key] for b in st["arms"][a]["band"]} for a in arms))) if arms else []
+    fmt = (lambda x: f"step {x}") if key == "step" else (lambda x: f"{x:.1f} min")
+    lines = ["| arm (seeds) | " + " | ".join(fmt(x) for x in xs) + " |", "|---|" + "---|" * len(xs)]
+    for a in arms:
+        band = {b[key]: b for b in st["arms"][a]["band"]}
+        cells = []
+        for x in xs:
+            b = band[x]
+            cells.append(f"{100 * b['mean']:.1f} [{100 * b['min']:.1f}, {100 * b['max']:.1f}] "
+                         f"({', '.join(f'{100 * v:.1f}' for v in b['values'])})")
+        lines.append(f"| {a} ({', '.join(map(str, st['arms'][a]['seeds']))}) | " + " | ".join(cells) + " |")
+    lines += ["", "| arm | minutes to 60% (each seed) | to 70% | to 80% | best (each seed) |", "|---|---|---|---|---|"]
+    for a in arms:
+        tt = st["arms"][a]["time_to"]
+        cell = (lambda ts: ", ".join("never" if t is None else f"{t:.1f}" for t in ts))
+        lines.append(f"| {a} | {cell(tt['60%'])} | {cell(tt['70%'])} | {cell(tt['80%'])} | "
+                     + ", ".join(f"{100 * v:.1f}" for v in st["arms"][a]["best"]) + " |")
+    if st.get("ratios"):
+        lines += ["", f"| time ratio {st['ratios_vs']} / arm (> 1: the arm is sooner) | 60% | 70% | 80% |", "|---|---|---|---|"]
+        for a, per in st["ratios"].items():
+            cells = []
+            for lv in ("60%", "70%", "80%"):
+                r = per.get(lv)
+                cells.append("—" if r is None else f"{r['ratio']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+                             + (" (censored)" if r["censored"] else ""))
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_arms(names: str, custom: Sequence[str]) -> dict[str, list[str] | None]:
     """``--arms`` and ``--arm NAME=FLAGS`` -> arm name -> flags (None for ``trl``).
 
@@ -405,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--replot", action="store_true", help="only recompute statistics and the figure from --json")
     ap.add_argument("--dry_run", action="store_true", help="print the runs still to do and exit")
+    ap.add_argument("--markdown", action="store_true", help="with --replot: print the tables for docs/results.md")
     args = ap.parse_args(argv)
     report = json.loads(args.json.read_text()) if args.json.exists() else None
     if args.replot:
@@ -414,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         if args.plot:
             plot(report, args.plot)
-        print(json.dumps(report["stats"], indent=1))
+        print(markdown(report) if args.markdown else json.dumps(report["stats"], indent=1))
         return 0
     if (args.steps is None) == (args.minutes is None):
         ap.error("give exactly one of --steps and --minutes")

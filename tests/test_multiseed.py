@@ -118,6 +118,10 @@ def test_compute_stats_and_replot_from_json(ms, tmp_path):
     assert st["ratios"]["async"]["80%"]["ratio"] == pytest.approx(8.0 / 6.0)
     assert st["arms"]["async"]["band"][1]["mean"] == pytest.approx(0.74)
     assert png.stat().st_size > 10_000
+    md = ms.markdown(out)
+    assert "| async (1, 2, 3) | 20.0 [20.0, 20.0]" in md and "74.0 [72.0, 76.0] (72.0, 74.0, 76.0)" in md
+    assert "| async | 3.0, 3.0, 3.0 | 3.0, 3.0, 3.0 | 6.0, 6.0, 6.0 |" in md
+    assert "| async | 1.33 [1.33, 1.33] | 1.33 [1.33, 1.33] | 1.33 [1.33, 1.33] |" in md
 
 
 def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path, capsys):
