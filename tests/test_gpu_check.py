@@ -129,6 +129,11 @@ def test_missing_requirements_and_spent_budget_are_said(tmp_path):
     assert rep["summary"]["decode_tokens_per_second_by_batch"] is None and rep["summary"]["mfu"] is None
 
 
+def test_gpu_tests_stage_collects_only_the_files_with_gpu_marks():
+    files = [Path(f).name for f in gc.gpu_test_files()]
+    assert "test_rollout_launch.py" in files and "test_gpu_check.py" not in files
+
+
 def test_validate_report_rejects_a_bad_shape():
     good = {"schema": gc.SCHEMA, "dry_run": False, "started": "t", "finished": "t", "wall_seconds": 1.0, "argv": [],
             "budget_seconds": 690.0, "git": {}, "summary": {},
