@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from asyncrl.types import GroupState, PromptGroup, Sample, SampleStatus, Segment, unpack_f32, unpack_i32
+from asyncrl.core.types import GroupState, PromptGroup, Sample, SampleStatus, Segment, unpack_f32, unpack_i32
 from buffers.errors import MalformedData, UnknownItem
 from buffers.scripts import _s
 
@@ -38,7 +38,7 @@ def sampling_counts(counters: dict[str, int]) -> dict[str, Any]:
         "zero_variance_share": zero / finished if finished else 0.0,
         "discarded_best_of_n": counters.get("discarded_best_of_n", 0),
         "skipped_prompts": sum(v for k, v in counters.items() if k.startswith("skipped_prompts:")),
-        # selective rollout (asyncrl.selective_rollout): visits skipped before generation, by kind,
+        # selective rollout (asyncrl.feeder.selective_rollout): visits skipped before generation, by kind,
         # and their share of the visits the rule saw (groups fed + predicted skips)
         "skipped_zero_variance_predicted": predicted,
         "predicted_skips_easy": counters.get("predicted_skips:easy", 0),

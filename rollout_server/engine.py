@@ -110,7 +110,7 @@ class EngineSample:
 class EngineGroup:
     """Samples that share one prompt (and so one prefill): one prompt's ``n`` samples.
 
-    The engine's unit of submission, not the buffer's prompt group (:class:`asyncrl.types.PromptGroup`,
+    The engine's unit of submission, not the buffer's prompt group (:class:`asyncrl.core.types.PromptGroup`,
     which carries a group id, metadata and its place in the run).
     """
 
@@ -210,8 +210,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
             "request_errors_total": 0,  # requests failed alone by an error of their own (engine_outputs._fail_requests)
             "follow_switches_total": 0,  # thread-count changes under resources.core_sharing: follow
         }
-        # resources.core_sharing: follow — all cores' threads while the trainer waits (asyncrl/core_follow.py)
-        from asyncrl.core_follow import follower_from_env
+        # resources.core_sharing: follow — all cores' threads while the trainer waits (asyncrl/core/core_follow.py)
+        from asyncrl.core.core_follow import follower_from_env
 
         self.follower = follower_from_env(threads, torch.set_num_threads)
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)

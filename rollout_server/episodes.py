@@ -45,7 +45,7 @@ from asyncrl.agents.workflow import (
     RecordedHistory,
     TokenLimit,
 )
-from asyncrl.types import SampleStatus, WorkItem, WorkKind
+from asyncrl.core.types import SampleStatus, WorkItem, WorkKind
 from buffers.errors import VersionAhead
 from rollout_server.client import EngineError, EngineUnavailable
 from rollout_server.worker_options import WorkerError
@@ -90,7 +90,7 @@ class _LiveCalls:
         self.item = item
         self.length = item.length_tokens
         self.last_output: tuple[list[int], list[float], list[int]] | None = None
-        # per-version budget, tracked as the buffer does (asyncrl.types.WorkItem.max_new_tokens)
+        # per-version budget, tracked as the buffer does (asyncrl.core.types.WorkItem.max_new_tokens)
         self._bver = item.clock_version
         self._bused = item.produced_under_version_tokens
         self.live_calls = 0

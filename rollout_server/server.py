@@ -45,8 +45,8 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.aio import wait_event
-from asyncrl.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
+from asyncrl.core.aio import wait_event
+from asyncrl.core.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
 from rollout_server.engine import Engine, EngineGroup, EngineSample
 from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
 from rollout_server.requests import (
@@ -219,7 +219,7 @@ class RolloutHTTPServer(WeightEndpoints):
     async def auth_middleware(self, request: web.Request, handler):
         """Refuse a ``Content-Encoding`` (415), then check the API key (401; 400 for a non-ASCII
         credential header), all before a byte of the body is read (the connection is then closed,
-        never lingered on: :data:`asyncrl.net.SERVER_KWARGS`)."""
+        never lingered on: :data:`asyncrl.core.net.SERVER_KWARGS`)."""
         refusal = content_encoding_refusal(request.headers)
         if refusal is not None:
             resp = error_response(refusal, 415)
@@ -294,7 +294,7 @@ class RolloutHTTPServer(WeightEndpoints):
         while not all(s.published[1] is not None for s in samples):
             if _client_gone(request):  # checked at every wake-up: every decode step that advanced these samples
                 raise asyncio.CancelledError()  # the finally of handle_generate aborts them
-            if await wait_event(waiter, _DISCONNECT_POLL_SECONDS):  # not wait_for: see asyncrl.aio
+            if await wait_event(waiter, _DISCONNECT_POLL_SECONDS):  # not wait_for: see asyncrl.core.aio
                 waiter.clear()
         for s in samples:
             status = (s.finish_reason or {}).get("status_code")

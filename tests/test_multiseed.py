@@ -161,9 +161,9 @@ def test_run_seed_varies_sampling_while_data_seed_fixes_the_prompts(tiny_model_d
     sample differently; ``data.seed`` is what changes the prompts."""
     import torch
 
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from asyncrl.models import load_tokenizer
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
     from rollout_server.engine import Engine
 
     tok = load_tokenizer(tiny_model_dir)

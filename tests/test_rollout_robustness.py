@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from asyncrl.net import free_port
+from asyncrl.core.net import free_port
 from rollout_server.client import EngineClient, EngineError
 from rollout_server.engine import Engine, EngineGroup, EngineSample
 from rollout_server.sampling import SamplingParams

@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from asyncrl.rewards import check_verifier_status
+from asyncrl.tasks.rewards import check_verifier_status
 from trainer.advantages import group_advantages, overlong_penalty, process_rewards
 from trainer.episodes import (
     apply_grouping_hook,
@@ -166,7 +166,7 @@ class TrainGroup:
         """Build from a buffer group (object or dict with ``group_id``, ``prompt_ids``, ``samples``)."""
         if isinstance(record, TrainGroup):
             return record
-        head = _get(record, "group", None) or record  # asyncrl.types.BatchGroup wraps a PromptGroup
+        head = _get(record, "group", None) or record  # asyncrl.core.types.BatchGroup wraps a PromptGroup
         gid = _get(head, "group_id")
         if gid is None:
             raise BatchError(f"a batch group has no group_id: {type(record).__name__}")
@@ -278,7 +278,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
 
     Args:
         groups: prompt groups (buffer objects, dicts or :class:`TrainGroup`).
-        cfg: the :class:`asyncrl.config.AsyncRLConfig` (``trainer``, ``data``, ``rollout`` sections).
+        cfg: the :class:`asyncrl.core.config.AsyncRLConfig` (``trainer``, ``data``, ``rollout`` sections).
         policy_version: version of the weights being trained (staleness = this - token version).
 
     Returns:
@@ -287,7 +287,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
     Raises:
         BatchError: inconsistent sample lists, a duplicate sample id, or an empty batch.
         trainer.advantages.AdvantageError: malformed precomputed advantages.
-        asyncrl.rewards.VerifierStatusError: ``data.check_verifier_status`` is on and every raw
+        asyncrl.tasks.rewards.VerifierStatusError: ``data.check_verifier_status`` is on and every raw
             reward of the batch's scored samples is 0 (a broken verifier); the trainer exits
             with status 2, which the controller does not restart, and the batch stays in the
             buffer unacknowledged.

@@ -113,7 +113,7 @@ def episode_layout(segments: Sequence[Any], response_len: int) -> tuple[list[tup
     """Environment spans and model-call spans of an episode's response.
 
     Args:
-        segments: the sample's segments (:class:`asyncrl.types.Segment`, ``(start, end, reason)``
+        segments: the sample's segments (:class:`asyncrl.core.types.Segment`, ``(start, end, reason)``
             tuples or dicts), in order.
         response_len: R, the response length.
 

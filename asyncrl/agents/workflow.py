@@ -91,7 +91,7 @@ class EpisodeTask:
     """What a workflow is asked to do.
 
     Attributes:
-        metadata: the prompt group's task data (``gold``, ``expression``, ... from asyncrl.tasks).
+        metadata: the prompt group's task data (``gold``, ``expression``, ... from asyncrl.tasks.tasks).
         prompt_ids: (P,) the prompt's token ids (chat-templated), the trajectory's first context.
         prompt_text: the prompt decoded (for reading; never re-tokenised).
         seed: fixed per sample; seed the environment with it so that a replay is identical.
@@ -209,7 +209,7 @@ class RecordedHistory:
 
         Args:
             ids, logprobs, versions: (R,) the sample's response arrays.
-            segments: :class:`asyncrl.types.Segment` list (``start``, ``end``, ``finish_reason``).
+            segments: :class:`asyncrl.core.types.Segment` list (``start``, ``end``, ``finish_reason``).
             max_tokens_of: unused hook for call limits (kept for symmetry with live calls).
 
         Raises:

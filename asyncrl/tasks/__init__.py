@@ -1,0 +1,6 @@
+"""Tasks and rewards: where prompts come from and how responses are scored.
+
+:mod:`asyncrl.tasks.tasks` holds the task interface, the built-in tasks and the train-prompt
+stream; :mod:`asyncrl.tasks.rewards` the reward functions, the answer checker and the scorer the
+rollout workers call.
+"""
