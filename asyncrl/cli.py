@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout-server": ("rollout_server.cli:main", "run a rollout server: embedded engine + rollout worker"),
     "reward-model": ("asyncrl.reward_model.role:main", "serve a reward model (sequence classification) to the rollout workers"),
     "trainer": ("trainer.cli:main", "run the DeepSpeed trainer (works under torchrun and the deepspeed launcher)"),
-    "eval": ("asyncrl.evaluation.evaluate:main", "held-out accuracy of a model or checkpoint on a task"),
+    "eval": ("asyncrl.evaluation.cli:main", "held-out accuracy of a model or checkpoint on a task"),
     "report": ("asyncrl.metrics.report:main", "curves (PNG) and a markdown summary of a run directory"),
 }
 

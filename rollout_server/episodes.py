@@ -2,7 +2,7 @@
 
 One claimed work item of a run with ``agent.workflow`` set is one **episode** (docs/agents.md).
 :class:`EpisodeRunner` runs the user's workflow against an
-:class:`asyncrl.agents.workflow.EpisodeModel` whose live calls (:class:`_LiveCalls`) stream
+:class:`asyncrl.agents.model.EpisodeModel` whose live calls (:class:`_LiveCalls`) stream
 into the buffer exactly as a single-turn sample does (chunks of ``buffer.flush_tokens`` with
 behaviour logprobs and per-token versions), plus two episode-only writes:
 
@@ -35,10 +35,10 @@ from typing import Any
 
 from asyncrl.agents.chat import ChatFormat
 from asyncrl.agents.loader import LoadedWorkflow
+from asyncrl.agents.model import EpisodeModel
 from asyncrl.agents.workflow import (
     Episode,
     EpisodeInterrupt,
-    EpisodeModel,
     EpisodeTask,
     EpisodeTimeout,
     NonDeterministicWorkflow,

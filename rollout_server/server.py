@@ -47,7 +47,8 @@ from aiohttp import web
 
 from asyncrl.core.aio import wait_event
 from asyncrl.core.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
-from rollout_server.engine import Engine, EngineGroup, EngineSample
+from rollout_server.engine import Engine
+from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
 from rollout_server.requests import (
     GenerateLimits,
@@ -61,8 +62,8 @@ from rollout_server.requests import (
     refused,
     response_object,
 )
-from rollout_server.sampling import RequestError, SamplingParams
-from rollout_server.schemas import AbortBody, ContinueBody, PauseBody
+from rollout_server.sampling import RequestError
+from rollout_server.schemas import AbortBody, ContinueBody, PauseBody, sampling_params_from_dict
 from rollout_server.server_metrics import EngineCollector, metric_model_name
 from rollout_server.server_options import ServerOptions, parse_args as _parse_args
 from rollout_server.weight_endpoints import WeightEndpoints, destroy_group
@@ -459,7 +460,7 @@ class RolloutHTTPServer(WeightEndpoints):
             return web.Response(status=503)
         if not self._unpaused.is_set():
             return web.Response(status=200)
-        sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}, self.engine.vocab_size)
+        sp = sampling_params_from_dict({"max_new_tokens": 1, "temperature": 0}, self.engine.vocab_size)
         s = EngineSample(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[0], params=sp)
         s.waiter = asyncio.Event()
         self.engine.submit([EngineGroup([0], [s])])

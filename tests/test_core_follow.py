@@ -124,7 +124,8 @@ def test_the_engine_generates_with_the_wide_threads_while_the_flag_exists(tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout_server.engine import Engine, EngineGroup, EngineSample
+    from rollout_server.engine import Engine
+    from rollout_server.engine_sample import EngineGroup, EngineSample
     from rollout_server.sampling import SamplingParams
 
     flag = tmp_path / "trainer.idle"

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from asyncrl.core.config import ArithmeticConfig, DataConfig
-from asyncrl.evaluation.evaluate import evaluate, evaluate_problems, main, wilson_interval
+from asyncrl.evaluation.cli import main
+from asyncrl.evaluation.evaluate import evaluate, evaluate_problems, wilson_interval
 from asyncrl.tasks.tasks import Problem, load_task
 
 

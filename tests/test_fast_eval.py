@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.core.config import DataConfig
-from asyncrl.evaluation.evaluate import EvalError, _generate_engine, _generate_hf, _stop_token_ids, evaluate_problems, main
+from asyncrl.evaluation.cli import main
+from asyncrl.evaluation.evaluate import EvalError, _generate_engine, _generate_hf, _stop_token_ids, evaluate_problems
 from asyncrl.tasks.tasks import load_task, render_prompt
 
 

@@ -183,7 +183,7 @@ def test_run_seed_varies_sampling_while_data_seed_fixes_the_prompts(tiny_model_d
 
     from transformers import AutoModelForCausalLM
 
-    from rollout_server.engine import EngineGroup, EngineSample
+    from rollout_server.engine_sample import EngineGroup, EngineSample
     from rollout_server.sampling import SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

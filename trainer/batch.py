@@ -317,7 +317,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
         raise BatchError("no trainable group in the batch (every sample failed or groups too small)")
     agent = getattr(cfg, "agent", None)
     if agent is not None and agent.trajectory_grouping_hook:
-        kept = apply_grouping_hook(_load_hook(agent.trajectory_grouping_hook), kept)
+        kept = apply_grouping_hook(_load_hook(agent.trajectory_grouping_hook), kept, TrainGroup)
     if dcfg.check_verifier_status:
         check_verifier_status([float(s.reward) for g in kept for s in g.samples if s.reward is not None])
 

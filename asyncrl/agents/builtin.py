@@ -31,7 +31,8 @@ from typing import Any
 
 from asyncrl.agents.harness import openai_harness
 from asyncrl.agents.opsd import opsd
-from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask
+from asyncrl.agents.model import EpisodeModel
+from asyncrl.agents.workflow import Episode, EpisodeTask
 from asyncrl.tasks.rewards import check_answer
 
 __all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "arithmetic_opsd", "calculator",

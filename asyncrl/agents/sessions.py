@@ -8,7 +8,7 @@ first episode). The session key is the bearer token (``OPENAI_API_KEY``); it sel
 episode, an unknown key is 401. Endpoints (docs/agents.md, "Existing agents"):
 
 * ``POST /v1/chat/completions`` (non-streaming): one model call of the episode's
-  :class:`asyncrl.agents.workflow.EpisodeModel`. The first call's messages must render (chat
+  :class:`asyncrl.agents.model.EpisodeModel`. The first call's messages must render (chat
   template, ``add_generation_prompt``) to exactly the episode's prompt ids; a trailing
   ``assistant`` message is a prefill (appended to the rendered prompt as text, the convention
   of ``continue_final_message``). Later calls must repeat the conversation so far, every

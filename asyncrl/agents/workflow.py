@@ -43,7 +43,6 @@ __all__ = [
     "ModelOutput",
     "Step",
     "Episode",
-    "EpisodeModel",
     "TokenLimit",
     "EpisodeTimeout",
     "EpisodeInterrupt",
@@ -51,7 +50,6 @@ __all__ = [
     "RecordedEvent",
     "RecordedHistory",
     "LiveCalls",
-    "Workflow",
 ]
 
 #: Why an episode ended (metric label ``termination``): the environment said done, the turn
@@ -168,9 +166,6 @@ class Episode:
     def __post_init__(self) -> None:
         if self.termination not in TERMINATIONS:
             raise ValueError(f"Episode.termination must be one of {TERMINATIONS}, got {self.termination!r}")
-
-
-Workflow = Callable[[EpisodeTask, "EpisodeModel", Any], Awaitable[Episode]]
 
 
 @dataclass
@@ -294,5 +289,3 @@ class LiveCalls(Protocol):
 
     async def observe(self, ids: list[int], version: int, trajectory: int = 0, kind: str = "obs") -> None: ...
 
-
-from asyncrl.agents.model import EpisodeModel  # noqa: E402  (the handle; re-exported here)

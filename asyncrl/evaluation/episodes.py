@@ -26,7 +26,8 @@ from typing import Any
 
 from asyncrl.agents.chat import ChatFormat
 from asyncrl.agents.loader import load_workflow
-from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask, EpisodeTimeout, RecordedHistory, TokenLimit
+from asyncrl.agents.model import EpisodeModel
+from asyncrl.agents.workflow import Episode, EpisodeTask, EpisodeTimeout, RecordedHistory, TokenLimit
 
 __all__ = ["evaluate_episodes"]
 
@@ -51,7 +52,7 @@ class _EngineBridge:
                 self.loop.call_soon_threadsafe(lambda f=fut, x=s: f.done() or f.set_result(x))
 
     async def generate(self, rid: str, context: list[int], params: Any) -> Any:
-        from rollout_server.engine import EngineGroup, EngineSample
+        from rollout_server.engine_sample import EngineGroup, EngineSample
 
         sample = EngineSample(rid=rid, prompt_ids=list(context), params=params)
         fut = self.loop.create_future()
