@@ -12,7 +12,16 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from asyncrl.core.types import GroupState, PromptGroup, Sample, SampleStatus, Segment, unpack_f32, unpack_i32
+from asyncrl.core.types import (
+    SEGMENT_REASONS,
+    GroupState,
+    PromptGroup,
+    Sample,
+    SampleStatus,
+    Segment,
+    unpack_f32,
+    unpack_i32,
+)
 from buffers.errors import MalformedData, UnknownItem
 from buffers.scripts import _s
 
@@ -46,7 +55,7 @@ def sampling_counts(counters: dict[str, int]) -> dict[str, Any]:
         "predicted_skip_share": predicted / visits if visits else 0.0,
     }
 
-_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort", 6: "turn", 7: "obs", 8: "ctx"}
+_SEGMENT_REASON = SEGMENT_REASONS  # asyncrl.core.types: the codes of buffers/lua/settings.lua, a lost lease read as abort
 
 
 class BufferInspection:

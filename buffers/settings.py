@@ -12,13 +12,14 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from asyncrl.core.types import REPORTED_FINISH_REASONS
 from buffers.errors import BadRequest
 
 __all__ = ["BufferSettings", "STALE_POLICIES", "FINISH_REASONS", "settings_fields"]
 
 STALE_POLICIES = ("restart", "drop", "keep")
 #: segment ends a worker may send with ``end_segment`` (``turn``: a model call of an episode ended)
-FINISH_REASONS = ("stop", "length", "abort", "budget", "turn")
+FINISH_REASONS = REPORTED_FINISH_REASONS  # asyncrl.core.types: the one finish-reason vocabulary
 
 
 @dataclass(frozen=True)

@@ -96,11 +96,9 @@ def init_distributed() -> tuple[int, int]:
 
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
-            import socket
+            from asyncrl.core.net import free_port
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port("127.0.0.1")
             os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         from deepspeed.accelerator import get_accelerator

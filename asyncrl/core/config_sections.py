@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from asyncrl.core.choices import ADVANTAGE_ESTIMATORS
+
 __all__ = [
     "train_batch_groups", "RunConfig", "ModelConfig", "ArithmeticConfig", "SelectiveRolloutConfig", "DataConfig",
     "RolloutConfig",
@@ -469,7 +471,7 @@ class ReferenceConfig(_Section):
 class TrainerConfig(_Section):
     """The DeepSpeed trainer, advantages and loss (``trainer.*``)."""
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    advantage: Literal[ADVANTAGE_ESTIMATORS] = "grpo"
     """Advantage estimator: the critic-free group/batch baselines, or ``gae`` (PPO with a critic, ``trainer.critic``)."""
     adv_norm: bool = False
     """Normalise the advantages over the train batch's loss tokens (mean 0, std 1) after the estimator, for every estimator (AReaL ``adv_norm``, on by default there)."""

@@ -29,6 +29,9 @@ __all__ = [
     "SampleStatus",
     "GroupState",
     "FinishReason",
+    "REPORTED_FINISH_REASONS",
+    "FINISH_CODES",
+    "SEGMENT_REASONS",
     "WorkKind",
     "Segment",
     "PromptGroup",
@@ -87,16 +90,44 @@ class GroupState(str, Enum):
 
 
 class FinishReason(str, Enum):
-    """Why a segment (and, for ``stop``/``length``, the sample) ended."""
+    """Why a segment (and, for ``stop``/``length``, the sample) ended: the one vocabulary.
+
+    Every other list derives from it: the reasons a rollout worker may report
+    (:data:`REPORTED_FINISH_REASONS`, checked by ``buffers/``), the codes stored in a sample's
+    segments (:data:`FINISH_CODES`; ``buffers/lua/settings.lua``'s ``FINISH_CODE`` must equal it,
+    tests/test_finish_reasons.py checks), and the metric labels (:mod:`asyncrl.metrics.labels`).
+    """
 
     STOP = "stop"
     """The engine emitted EOS or a stop string: the sample is finished."""
     LENGTH = "length"
     """The response reached ``max_response_len``: the sample is finished (truncated)."""
     ABORT = "abort"
-    """Interrupted (weight update, worker shutdown, lease expiry): the sample is parked as PARTIAL, resumable now."""
+    """Interrupted (weight update, worker shutdown): the sample is parked as PARTIAL, resumable now."""
     BUDGET = "budget"
     """``max_budget`` tokens produced under the current policy version: parked until a newer version (or idle)."""
+    LEASE = "lease"
+    """The worker's lease was lost and the buffer closed the segment (read back as ``abort``: resumable)."""
+    TURN = "turn"
+    """An episode's model call ended (docs/agents.md); the episode goes on."""
+    OBS = "obs"
+    """Environment tokens of an episode (loss-masked, outside budget and staleness); written by the buffer."""
+    CTX = "ctx"
+    """The prompt of an episode's further trajectory; written by the buffer."""
+
+
+#: What a rollout worker may report when it appends a segment's tokens (the buffer writes
+#: ``lease``, ``obs`` and ``ctx`` segments itself).
+REPORTED_FINISH_REASONS: tuple[str, ...] = tuple(
+    r.value for r in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.BUDGET, FinishReason.TURN)
+)
+#: The code of each reason in a sample's packed segments (the Lua scripts store
+#: ``code + 16 * trajectory``); ``buffers/lua/settings.lua``'s ``FINISH_CODE`` is this table.
+FINISH_CODES: dict[str, int] = {r.value: i for i, r in enumerate(FinishReason, start=1)}
+#: A stored segment code (``% 16``) read back as its finish reason; a lost lease reads as ``abort``.
+SEGMENT_REASONS: dict[int, str] = {
+    code: (FinishReason.ABORT.value if name == FinishReason.LEASE.value else name) for name, code in FINISH_CODES.items()
+}
 
 
 class WorkKind(str, Enum):

@@ -530,7 +530,11 @@ class RewardScorer:
 
 
 def process_reward(raw: float, scale: float = 1.0, bias: float = 0.0, clip: float = 10.0) -> float:
-    """``clip((raw - bias) * scale, -clip, clip)`` (PPO reward scaling/bias/clip; AReaL output_scaling/bias)."""
+    """``clip((raw - bias) * scale, -clip, clip)`` (PPO reward scaling/bias/clip; AReaL output_scaling/bias).
+
+    The one place of reward shaping: the trainer applies it to each reward of a batch
+    (:func:`trainer.advantages.process_rewards`).
+    """
     return max(-clip, min(clip, (raw - bias) * scale))
 
 
