@@ -31,6 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, model_validator
 
+from asyncrl.core.choices import FILE_TASKS
+
 # The sections (and the B = ⌈p·R⌉ formula) live in asyncrl/core/config_sections.py; every name stays
 # importable from here (``from asyncrl.core.config import DataConfig``), as code and tests do.
 from asyncrl.core.config_agent import STEPWISE_MODES, AgentConfig  # noqa: F401  (re-exported)
@@ -177,7 +179,7 @@ class AsyncRLConfig(_Section):
             raise ValueError("rollout.api_key_required is set but security.api_key is empty")
         if self.reward.model.api_key_required and not self.security.api_key:
             raise ValueError("reward.model.api_key_required is set but security.api_key is empty")
-        if self.data.task in ("gsm8k", "jsonl", "parquet") and self.data.path is None:
+        if self.data.task in FILE_TASKS and self.data.path is None:
             raise ValueError(f"data.task={self.data.task} needs data.path (a local file)")
         return self
 

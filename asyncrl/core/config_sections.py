@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Literal
 
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from asyncrl.core.choices import ADVANTAGE_ESTIMATORS
+from asyncrl.core.choices import ADVANTAGE_ESTIMATORS, BUILTIN_TASKS, TASK_CLASS
 
 __all__ = [
     "train_batch_groups", "RunConfig", "ModelConfig", "ArithmeticConfig", "SelectiveRolloutConfig", "DataConfig",
@@ -137,7 +137,7 @@ class SelectiveRolloutConfig(_Section):
 class DataConfig(_Section):
     """Prompts and rewards (``data.*``)."""
 
-    task: Literal["arithmetic", "gsm8k", "jsonl", "parquet"] = "arithmetic"
+    task: str = "arithmetic"
     """Prompt source: the built-in procedurally generated arithmetic task, a GSM8K-format file, or a local JSONL/parquet file."""
     path: Path | None = None
     """File for ``gsm8k``/``jsonl``/``parquet`` tasks (``question``/``answer`` fields; ``answer`` may use GSM8K's ``####``)."""
@@ -175,6 +175,14 @@ class DataConfig(_Section):
     """Most prompts the pass-rate filter removes per epoch, as a share of the prompts still in the stream (AReaL ``dataset_max_filter_percentage``; 0: the filter is off; at least one prompt always stays)."""
     selective_rollout: SelectiveRolloutConfig = SelectiveRolloutConfig()
     """Skip prompts predicted to give zero-variance groups before generation (GRESO, arXiv:2506.02177); composes with the pass-rate filter and with ``rollout.dynamic_sampling``."""
+
+    @field_validator("task")
+    @classmethod
+    def _task_name(cls, value: str) -> str:
+        if value in BUILTIN_TASKS or TASK_CLASS.match(value):
+            return value
+        names = ", ".join(repr(n) for n in BUILTIN_TASKS[:-1]) + f" or {BUILTIN_TASKS[-1]!r}"
+        raise ValueError(f"Input should be {names}, or a task class 'module:Class'")
 
 
 # ----------------------------------------------------------------------------------------------

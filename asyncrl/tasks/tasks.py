@@ -32,9 +32,11 @@ import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from asyncrl.core.config import ArithmeticConfig, DataConfig
+from asyncrl.core.choices import FILE_TASKS
+from asyncrl.tasks.registry import TaskError, register_task, task_factory
 
 __all__ = [
     "HELDOUT_PERCENT",
@@ -45,6 +47,7 @@ __all__ = [
     "ArithmeticTask",
     "FileTask",
     "load_task",
+    "arithmetic_task",
     "problem_hash",
     "is_heldout",
     "parse_gsm8k_answer",
@@ -55,10 +58,6 @@ __all__ = [
 
 #: Default percentage of the problem space (by hash) held out for evaluation (``data.heldout_percent``).
 HELDOUT_PERCENT = 10
-
-
-class TaskError(ValueError):
-    """A dataset that cannot be used (missing file, missing field, malformed row, too few problems)."""
 
 
 @dataclass(frozen=True)
@@ -328,19 +327,42 @@ class FileTask(Task):
         return out[:n]
 
 
+@register_task("arithmetic")
+def arithmetic_task(data: DataConfig, seed: int) -> ArithmeticTask:
+    """The built-in ``arithmetic`` task of ``data.arithmetic``; ``seed`` selects its train problems."""
+    return ArithmeticTask(data.arithmetic, data.num_train_prompts, seed, data.heldout_percent)
+
+
+def _file_task(kind: str) -> Callable[[DataConfig, int], FileTask]:
+    """The factory of the built-in file task ``kind`` (``gsm8k``, ``jsonl``, ``parquet``)."""
+
+    def make(data: DataConfig, seed: int) -> FileTask:
+        if data.path is None:
+            raise TaskError(f"data.task={data.task} needs data.path (a local file)")
+        return FileTask(data.path, kind, data.heldout_percent)
+
+    return make
+
+
+for _kind in FILE_TASKS:
+    register_task(_kind, _file_task(_kind))
+
+
 def load_task(data: DataConfig, seed: int = 0) -> Task:
-    """The task named by ``data.task`` (``arithmetic``, ``gsm8k``, ``jsonl``, ``parquet``).
+    """The task named by ``data.task``: a registered one (the built-ins ``arithmetic``, ``gsm8k``,
+    ``jsonl``, ``parquet``) or a ``module:Class`` outside asyncrl (:mod:`asyncrl.tasks.registry`).
 
     ``seed`` selects the arithmetic train problems (the held-out set never depends on it).
 
     Raises:
-        TaskError: a file task without ``data.path``, or an unreadable/malformed file.
+        TaskError: an unknown task, a file task without ``data.path``, an unreadable/malformed
+            file, or a ``module:Class`` that cannot be imported or does not make a :class:`Task`.
     """
-    if data.task == "arithmetic":
-        return ArithmeticTask(data.arithmetic, data.num_train_prompts, seed, data.heldout_percent)
-    if data.path is None:
-        raise TaskError(f"data.task={data.task} needs data.path (a local file)")
-    return FileTask(data.path, data.task, data.heldout_percent)
+    task = task_factory(data.task)(data, seed)
+    if not isinstance(task, Task):
+        raise TaskError(f"data.task={data.task} made a {type(task).__name__}, not an asyncrl Task "
+                        "(a subclass of asyncrl.tasks.tasks.Task taking (data, seed))")
+    return task
 
 
 # ------------------------------------------------------------------------------------------------
