@@ -96,3 +96,17 @@ def test_no_import_cycle_between_modules():
     edges = {m: set(v) for m, v in json.loads(proc.stdout).items()}
     assert len(edges) > 100, "the graph should hold every module of the project"
     assert _cycles(edges) == []
+
+
+def test_layout_table_and_contracts_name_every_package():
+    """docs/architecture.md is the map: its layout table and .importlinter's layers name every package."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    contracts = (REPO / ".importlinter").read_text()
+    packages = [f"asyncrl/{p.name}/" for p in sorted((REPO / "asyncrl").iterdir()) if (p / "__init__.py").exists()]
+    packages += [f"{root}/" for root in ROOTS if root != "asyncrl"]
+    assert "asyncrl/core/" in packages and "asyncrl/controller/" in packages
+    for path in packages:
+        assert f"| `{path}` |" in doc, f"docs/architecture.md's layout table has no row for {path}"
+        module = path.rstrip("/").replace("/", ".")
+        assert f"    {module}" in contracts or f"| {module}" in contracts or f"{module} |" in contracts, \
+            f".importlinter's layers do not name {module}"
