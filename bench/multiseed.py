@@ -365,6 +365,78 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def run_diagnostics(run: dict) -> dict | None:
+    """What a run's per-step records say about its stability (None: no step records, e.g. TRL).
+
+    Returns:
+        ``{"min_reward", "min_reward_step"}`` (lowest train reward after step 8, once the early
+        long answers are gone), ``{"max_behaviour_kl", "max_behaviour_kl_step"}``,
+        ``entropy_steps_9_12`` (mean policy entropy, nats per token), ``max_importance_weight``
+        (before the cap), ``max_clip_fraction``, ``zero_variance_share`` and ``restarts`` (the
+        buffer's totals at the end).
+    """
+    steps = [s for s in run.get("steps", []) if "reward/mean" in s]
+    if not steps:
+        return None
+    late = [s for s in steps if s["step"] > 8] or steps
+    lo = min(late, key=lambda s: s["reward/mean"])
+    kl = max(steps, key=lambda s: s.get("train/behaviour_kl", 0.0))
+    ent = [s.get("train/entropy", 0.0) for s in steps if 9 <= s["step"] <= 12]
+    books = run.get("books", {})
+    return {"min_reward": lo["reward/mean"], "min_reward_step": lo["step"],
+            "max_behaviour_kl": kl.get("train/behaviour_kl", 0.0), "max_behaviour_kl_step": kl["step"],
+            "entropy_steps_9_12": sum(ent) / len(ent) if ent else float("nan"),
+            "max_importance_weight": max(s.get("train/importance_weight_max", 0.0) for s in steps),
+            "max_clip_fraction": max(s.get("train/clip_fraction", 0.0) for s in steps),
+            "zero_variance_share": books.get("buffer/zero_variance_share", float("nan")),
+            "restarts": books.get("buffer/restarts", 0)}
+
+
+def markdown(report: dict) -> str:
+    """The statistics as markdown tables: held-out accuracy per evaluation (mean [min, max] over
+    seeds, then each seed), times to 60/70/80% per seed, and the bootstrap ratios."""
+    key = "step" if report["settings"].get("steps") else "minutes"
+    st = report["stats"]
+    arms = list(st["arms"])
+    xs = sorted(set.intersection(*({b[key] for b in st["arms"][a]["band"]} for a in arms))) if arms else []
+    fmt = (lambda x: f"step {x}") if key == "step" else (lambda x: f"{x:.1f} min")
+    lines = ["| arm (seeds) | " + " | ".join(fmt(x) for x in xs) + " |", "|---|" + "---|" * len(xs)]
+    for a in arms:
+        band = {b[key]: b for b in st["arms"][a]["band"]}
+        cells = []
+        for x in xs:
+            b = band[x]
+            cells.append(f"{100 * b['mean']:.1f} [{100 * b['min']:.1f}, {100 * b['max']:.1f}] "
+                         f"({', '.join(f'{100 * v:.1f}' for v in b['values'])})")
+        lines.append(f"| {a} ({', '.join(map(str, st['arms'][a]['seeds']))}) | " + " | ".join(cells) + " |")
+    lines += ["", "| arm | minutes to 60% (each seed) | to 70% | to 80% | best (each seed) |", "|---|---|---|---|---|"]
+    for a in arms:
+        tt = st["arms"][a]["time_to"]
+        cell = (lambda ts: ", ".join("never" if t is None else f"{t:.1f}" for t in ts))
+        lines.append(f"| {a} | {cell(tt['60%'])} | {cell(tt['70%'])} | {cell(tt['80%'])} | "
+                     + ", ".join(f"{100 * v:.1f}" for v in st["arms"][a]["best"]) + " |")
+    lines += ["", "| run | lowest train reward after step 8 (step) | largest behaviour KL (step) | entropy, steps 9-12 "
+              "| largest importance weight | clip fraction, max | zero-variance groups | restarted samples |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(report["runs"], key=lambda r: (arms.index(r["arm"]) if r["arm"] in arms else 99, r["seed"])):
+        d = run_diagnostics(r)
+        if d:
+            lines.append(f"| {r['arm']} s{r['seed']} | {d['min_reward']:.2f} ({d['min_reward_step']}) | "
+                         f"{d['max_behaviour_kl']:.3f} ({d['max_behaviour_kl_step']}) | {d['entropy_steps_9_12']:.2f} | "
+                         f"{d['max_importance_weight']:.1f} | {d['max_clip_fraction']:.3f} | "
+                         f"{d['zero_variance_share']:.2f} | {d['restarts']} |")
+    if st.get("ratios"):
+        lines += ["", f"| time ratio {st['ratios_vs']} / arm (> 1: the arm is sooner) | 60% | 70% | 80% |", "|---|---|---|---|"]
+        for a, per in st["ratios"].items():
+            cells = []
+            for lv in ("60%", "70%", "80%"):
+                r = per.get(lv)
+                cells.append("—" if r is None else f"{r['ratio']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+                             + (" (censored)" if r["censored"] else ""))
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_arms(names: str, custom: Sequence[str]) -> dict[str, list[str] | None]:
     """``--arms`` and ``--arm NAME=FLAGS`` -> arm name -> flags (None for ``trl``).
 
@@ -405,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--replot", action="store_true", help="only recompute statistics and the figure from --json")
     ap.add_argument("--dry_run", action="store_true", help="print the runs still to do and exit")
+    ap.add_argument("--markdown", action="store_true", help="with --replot: print the tables for docs/results.md")
     args = ap.parse_args(argv)
     report = json.loads(args.json.read_text()) if args.json.exists() else None
     if args.replot:
@@ -414,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         if args.plot:
             plot(report, args.plot)
-        print(json.dumps(report["stats"], indent=1))
+        print(markdown(report) if args.markdown else json.dumps(report["stats"], indent=1))
         return 0
     if (args.steps is None) == (args.minutes is None):
         ap.error("give exactly one of --steps and --minutes")
@@ -422,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         arms = parse_arms(args.arms, args.arm)
     except ValueError as exc:
         ap.error(str(exc))
+    if "trl" in arms and args.steps is not None:
+        ap.error("the trl arm runs for a time, not a step count: use --minutes")
     settings = {"config": args.config, "steps": args.steps, "minutes": args.minutes, "eval_every": args.eval_every,
                 "num_problems": args.num_problems}
     if report is None:

@@ -18,6 +18,10 @@ or padded to ``--prompt-tokens`` tokens.
 
 Run: ``python bench/rollout_bench.py [--model smollm2-135m-instruct] [--concurrency 1 8 32]
 [--prompt-tokens 64] [--gen-tokens 128] [--threads 2] [--json out.json]``.
+
+On a GPU (``bench/gpu_check.py``): ``--device cuda [--dtype bfloat16] --no-server`` runs the
+ceiling loop on the GPU. The embedded server has no device option (its engine is CPU-only), so
+``--no-server`` is required with ``--device cuda``; the server column is then null.
 """
 
 from __future__ import annotations
@@ -47,13 +51,13 @@ def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def ceiling(model, prompts: list[list[int]], gen_tokens: int, seed: int = 0) -> float:
+def ceiling(model, prompts: list[list[int]], gen_tokens: int, seed: int = 0, device: str = "cpu") -> float:
     """Tokens/s of a static batch decoded with a KV cache in a plain loop (prefill included)."""
     import torch
     from transformers import DynamicCache
 
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.tensor(prompts)
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.tensor(prompts, device=device)
     B = ids.shape[0]
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -67,6 +71,8 @@ def ceiling(model, prompts: list[list[int]], gen_tokens: int, seed: int = 0) -> 
             if step == gen_tokens - 1:
                 break
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if device != "cpu":
+        torch.cuda.synchronize()
     return B * gen_tokens / (time.perf_counter() - t0)
 
 
@@ -93,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="runs per point (the best is kept)")
     ap.add_argument("--cumulative", action="store_true", help="cumulative streaming (default: incremental, as asyncrl launches it)")
+    ap.add_argument("--device", default="cpu", help="where the ceiling loop runs: cpu (default) or cuda[:N]")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default float32)")
+    ap.add_argument("--no-server", action="store_true", help="skip the embedded server (required with --device cuda)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
+    if a.device != "cpu" and not a.no_server:
+        ap.error("--device other than cpu needs --no-server: the embedded server's engine runs on CPU only")
 
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     import torch
@@ -104,37 +115,53 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_server.testing import start_embedded_server
 
     path = resolve_model_path(a.model)
-    model, tok = load_causal_lm(path), load_tokenizer(path)
+    model, tok = load_causal_lm(path, a.dtype).to(a.device), load_tokenizer(path)
     prompts_all = make_prompts(tok, max(a.concurrency), a.prompt_tokens)
     flags = ["--max-running-requests", str(max(64, max(a.concurrency)))]
     if not a.cumulative:
         flags.append("--incremental-streaming-output")
-    srv = start_embedded_server(path, *flags, threads=a.threads)
+    srv = None if a.no_server else start_embedded_server(path, *flags, threads=a.threads)
     rows = []
     try:
         # warm both paths once
-        ceiling(model, prompts_all[:2], 4)
-        asyncio.run(server_run(srv.url, prompts_all[:2], 4))
+        ceiling(model, prompts_all[:2], 4, device=a.device)
+        if srv is not None:
+            asyncio.run(server_run(srv.url, prompts_all[:2], 4))
         for B in a.concurrency:
             prompts = prompts_all[:B]
             ceil_best = serv_best = 0.0
             for _ in range(a.repeats):
-                ceil_best = max(ceil_best, ceiling(model, prompts, a.gen_tokens))
-                serv_best = max(serv_best, asyncio.run(server_run(srv.url, prompts, a.gen_tokens)))
+                ceil_best = max(ceil_best, ceiling(model, prompts, a.gen_tokens, device=a.device))
+                if srv is not None:
+                    serv_best = max(serv_best, asyncio.run(server_run(srv.url, prompts, a.gen_tokens)))
+            if srv is None:
+                rows.append({"concurrency": B, "ceiling_tokens_per_second": ceil_best, "server_tokens_per_second": None,
+                             "ratio": None})
+                print(f"B={B:3d}  ceiling {ceil_best:8.1f} tok/s", flush=True)
+                continue
             rows.append({"concurrency": B, "ceiling_tokens_per_second": ceil_best, "server_tokens_per_second": serv_best,
                          "ratio": serv_best / ceil_best})
             print(f"B={B:3d}  ceiling {ceil_best:8.1f} tok/s  server {serv_best:8.1f} tok/s  ratio {serv_best / ceil_best:5.2f}",
                   flush=True)
     finally:
-        srv.stop()
+        if srv is not None:
+            srv.stop()
     result = {"model": str(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": a.threads,
               "streaming": "cumulative" if a.cumulative else "incremental",
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
+    if a.device != "cpu" or a.dtype != "float32":
+        import torch
+
+        result.update(device=a.device, dtype=a.dtype,
+                      device_name=torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else a.device)
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     print("| concurrent streamed requests | ceiling (tok/s) | server (tok/s) | server / ceiling |")
     print("|---:|---:|---:|---:|")
     for r in rows:
+        if r["ratio"] is None:
+            print(f"| {r['concurrency']} | {r['ceiling_tokens_per_second']:.1f} | – | – |")
+            continue
         print(f"| {r['concurrency']} | {r['ceiling_tokens_per_second']:.1f} | {r['server_tokens_per_second']:.1f} | {r['ratio']:.2f} |")
     return 0
 

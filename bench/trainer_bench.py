@@ -22,6 +22,10 @@ Timing alternates trainer and plain steps on the same batch; tokens/s use the fa
    load (``asyncrl.core.weights.load_state_dict_from_dir`` + ``load_state_dict``) for 135M fp32.
 
 Usage: ``python bench/trainer_bench.py [--steps 3] [--groups 4] [--threads 2] [--json out.json]``.
+
+On a GPU (``bench/gpu_check.py``): ``--device cuda [--precision bf16]`` runs the trainer with
+DeepSpeed's CUDA accelerator and the plain loop on the same device (bf16: under autocast); the
+JSON then also holds ``device``, ``device_name``, ``precision`` and ``peak_memory_bytes``.
 """
 
 from __future__ import annotations
@@ -63,10 +67,16 @@ def make_batches(n_batches: int, n_groups: int, vocab: int, seed: int = 0):
     return batches
 
 
-def plain_step(model, opt, plan, temperature: float, clip: float, share_prompts: bool) -> int:
+def plain_step(model, opt, plan, temperature: float, clip: float, share_prompts: bool, device: str = "cpu",
+               autocast: bool = False) -> int:
     """The ceiling: same micro-batches (same prompt sharing), same forward/backward, inline loss, torch AdamW."""
     import torch
 
+    if device != "cpu":  # the packed tensors are built on the device; bf16 under autocast
+        with torch.device(device), torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            tokens = plain_step(model, opt, plan, temperature, clip, share_prompts)
+        torch.cuda.synchronize()
+        return tokens
     from trainer.packing import build_micro_batch, packed_logits
 
     samples = plan.batch.samples
@@ -79,8 +89,8 @@ def plain_step(model, opt, plan, temperature: float, clip: float, share_prompts:
             packed = build_micro_batch(prompts, responses, indices, share_prompts=share_prompts)
             x = packed_logits(model, packed).float() / temperature
             logp = x.gather(-1, packed.targets[:, None])[:, 0] - torch.logsumexp(x, -1)
-            behav = torch.cat([samples[i].behaviour_logprobs for i in indices])
-            adv = torch.cat([samples[i].advantages for i in indices])
+            behav = torch.cat([samples[i].behaviour_logprobs for i in indices]).to(logp.device)
+            adv = torch.cat([samples[i].advantages for i in indices]).to(logp.device)
             ratio = torch.exp(logp - logp.detach())
             w = torch.clamp(torch.exp(logp.detach() - behav), max=5.0)
             pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.28)) * w
@@ -99,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=4, help="prompt groups (of 2 samples) per batch")
     ap.add_argument("--micro_batch_tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: DeepSpeed's accelerator and the plain loop's device")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="trainer.precision (default fp32)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.device != "cpu":
+        os.environ["DS_ACCELERATOR"] = "cuda"  # before anything imports deepspeed
 
     import torch
 
@@ -120,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"path": str(model_dir)},
         "run": {"output_dir": str(out_dir), "name": "bench", "total_steps": 100},
         "rollout": {"n_samples_per_prompt": 2},
-        "trainer": {"micro_batch_tokens": args.micro_batch_tokens, "optimizer": {"lr": 1e-6}},
+        "trainer": {"micro_batch_tokens": args.micro_batch_tokens, "optimizer": {"lr": 1e-6}, "precision": args.precision},
         "weight_sync": {"keep_last": 1},
     })
     trainer = Trainer(cfg, model=copy.deepcopy(base))
-    plain = copy.deepcopy(base).train()
+    plain = copy.deepcopy(base).to(args.device).train()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
     def trainer_step(groups):
@@ -138,16 +152,22 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up both, then alternate trainer and plain steps on the same batch so machine noise
     # (a shared 2-core machine) hits both alike; the min over repeats is the least-disturbed
     # measurement, the mean is reported too. Packing statistics use every batch.
+    def sync():
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+
+    on_device = {"device": args.device, "autocast": args.precision == "bf16"}
     plan, _ = trainer_step(batches[0])
-    plain_step(plain, opt, plan, 1.0, 1.0, trainer.share_prompts)
+    plain_step(plain, opt, plan, 1.0, 1.0, trainer.share_prompts, **on_device)
     t_tr, t_pl = [], []
     tokens = 0
     for k in range(args.steps):
         t0 = time.perf_counter()
         plan, tokens = trainer_step(batches[1])
+        sync()
         t_tr.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        assert plain_step(plain, opt, plan, 1.0, 1.0, trainer.share_prompts) == tokens
+        assert plain_step(plain, opt, plan, 1.0, 1.0, trainer.share_prompts, **on_device) == tokens
         t_pl.append(time.perf_counter() - t0)
     lengths, micro = [], []
     for groups in batches:
@@ -161,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # publish + load, 135M fp32
     pubs, loads = [], []
-    fresh = copy.deepcopy(base)
+    fresh = copy.deepcopy(base).to(args.device)
     for _ in range(2):
         trainer.step += 1
         t0 = time.perf_counter()
@@ -170,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         sd = load_state_dict_from_dir(pub["uri"])
         missing, unexpected = fresh.load_state_dict(sd, strict=False)
+        sync()
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         loads.append(time.perf_counter() - t0)
 
@@ -186,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         "publish_seconds": min(pubs), "load_seconds": min(loads), "publish_plus_load_seconds": min(pubs) + min(loads),
         "publish_bytes": pub.get("publish_bytes"),
     }
+    if args.device != "cpu":
+        result.update(device=args.device, device_name=torch.cuda.get_device_name(args.device), precision=args.precision,
+                      peak_memory_bytes=torch.cuda.max_memory_allocated(args.device))
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

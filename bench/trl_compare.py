@@ -54,10 +54,12 @@ CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
 THRESHOLDS = (0.6, 0.7, 0.8)
 
 
-def eval_model(model_dir: Path, num_problems: int, threads: int) -> dict:
-    """``asyncrl eval`` (sampled, T = 1) of one model directory; the sampled result dict."""
+def eval_model(model_dir: Path, num_problems: int, threads: int, seed: int = 0) -> dict:
+    """``asyncrl eval`` (sampled, T = 1, sampling seed ``seed`` as an asyncrl run's ``run.seed``) of
+    one model directory; the sampled result dict."""
     cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(CONFIG), "--model", str(model_dir),
-           "--modes", "sampled", "--num_problems", str(num_problems), "--threads", str(threads), "--json"]
+           "--modes", "sampled", "--num_problems", str(num_problems), "--threads", str(threads), "--json",
+           "--seed", str(seed)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"asyncrl eval failed on {model_dir}:\n{out.stderr[-2000:]}")
@@ -69,8 +71,9 @@ def _env() -> dict[str, str]:
 
 
 def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
-            num_problems: int) -> tuple[list[dict], dict]:
-    """TRL GRPOTrainer for ``seconds`` of training.
+            num_problems: int, seed: int = 0) -> tuple[list[dict], dict]:
+    """TRL GRPOTrainer for ``seconds`` of training (``seed``: TRL's seed, i.e. its sampling and
+    initialisation; the prompt stream is asyncrl's, fixed by ``data.seed``).
 
     Returns (curve, summary): [{minutes, step, accuracy, ci95_low, ci95_high}] (minute 0 is the
     base model) and {steps, wall_seconds, seconds_per_step}.
@@ -104,7 +107,7 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
         learning_rate=cfg.trainer.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", max_grad_norm=1.0,
         num_iterations=1, max_steps=400, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, bf16=False, seed=0, shuffle_dataset=False, dataloader_num_workers=0,
+        use_cpu=True, bf16=False, seed=seed, shuffle_dataset=False, dataloader_num_workers=0,
     )
     snapshots: list[tuple[float, int, Path]] = []
 
@@ -137,9 +140,9 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
-    curve = [{"minutes": 0.0, "step": 0, **_acc(eval_model(model_dir, num_problems, threads))}]
+    curve = [{"minutes": 0.0, "step": 0, **_acc(eval_model(model_dir, num_problems, threads, seed))}]
     for t, step, path in snapshots:
-        curve.append({"minutes": t / 60.0, "step": step, **_acc(eval_model(path, num_problems, threads))})
+        curve.append({"minutes": t / 60.0, "step": step, **_acc(eval_model(path, num_problems, threads, seed))})
         print("trl", json.dumps(curve[-1]), flush=True)
     summary = {"steps": clock.steps, "wall_seconds": clock.train_seconds,
                "seconds_per_step": clock.train_seconds / clock.steps if clock.steps else None}

@@ -118,6 +118,10 @@ def test_compute_stats_and_replot_from_json(ms, tmp_path):
     assert st["ratios"]["async"]["80%"]["ratio"] == pytest.approx(8.0 / 6.0)
     assert st["arms"]["async"]["band"][1]["mean"] == pytest.approx(0.74)
     assert png.stat().st_size > 10_000
+    md = ms.markdown(out)
+    assert "| async (1, 2, 3) | 20.0 [20.0, 20.0]" in md and "74.0 [72.0, 76.0] (72.0, 74.0, 76.0)" in md
+    assert "| async | 3.0, 3.0, 3.0 | 3.0, 3.0, 3.0 | 6.0, 6.0, 6.0 |" in md
+    assert "| async | 1.33 [1.33, 1.33] | 1.33 [1.33, 1.33] | 1.33 [1.33, 1.33] |" in md
 
 
 def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path, capsys):
@@ -136,6 +140,9 @@ def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path
         ms.main(["--arms", "async", "--arm", "async=--trainer.optimizer.lr 1e-5", "--seeds", "1", "--steps", "50",
                  "--json", str(path), "--dry_run"])
     assert "another name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # TRL trains for a time: a step-count comparison cannot hold it
+        ms.main(["--arms", "async,trl", "--seeds", "1", "--steps", "50", "--json", str(path), "--dry_run"])
+    assert "use --minutes" in capsys.readouterr().err
 
 
 def test_read_run_from_a_run_directory(ms, tmp_path):
@@ -210,3 +217,16 @@ def test_run_seed_varies_sampling_while_data_seed_fixes_the_prompts(tiny_model_d
 
     assert sample(c1.run.seed) == sample(c1.run.seed)  # the seed fixes the engine's sampling
     assert sample(c1.run.seed) != sample(c2.run.seed)
+
+
+def test_run_diagnostics_reads_the_step_records(ms):
+    steps = [{"step": s, "reward/mean": r, "train/behaviour_kl": kl, "train/entropy": h,
+              "train/importance_weight_max": w, "train/clip_fraction": 0.0}
+             for s, r, kl, h, w in [(1, 0.1, 0.0, 2.0, 1.0), (9, 0.8, 0.01, 0.2, 2.0), (10, 0.9, 0.3, 0.4, 21.0),
+                                    (12, 0.04, 0.05, 0.6, 3.0), (13, 0.5, 0.0, 0.1, 1.0)]]
+    d = ms.run_diagnostics({"steps": steps, "books": {"buffer/zero_variance_share": 0.6, "buffer/restarts": 7}})
+    assert d["min_reward"] == 0.04 and d["min_reward_step"] == 12  # step 1 (long early answers) does not count
+    assert d["max_behaviour_kl"] == 0.3 and d["max_behaviour_kl_step"] == 10
+    assert d["entropy_steps_9_12"] == pytest.approx(0.4) and d["max_importance_weight"] == 21.0
+    assert d["zero_variance_share"] == 0.6 and d["restarts"] == 7
+    assert ms.run_diagnostics({"steps": []}) is None
