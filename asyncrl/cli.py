@@ -12,16 +12,16 @@ import sys
 
 #: subcommand -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("asyncrl.train:main", "run asynchronous partial-rollout RL end to end on this machine"),
-    "config": ("asyncrl.config_cli:main", "show the resolved configuration (`asyncrl config show`)"),
-    "redis": ("asyncrl.redis_server:main", "start a local redis-server (AOF on, loopback, password) for a run"),
+    "train": ("asyncrl.controller.train:main", "run asynchronous partial-rollout RL end to end on this machine"),
+    "config": ("asyncrl.core.config_cli:main", "show the resolved configuration (`asyncrl config show`)"),
+    "redis": ("asyncrl.controller.redis_server:main", "start a local redis-server (AOF on, loopback, password) for a run"),
     "models": ("asyncrl.models:main", "prepare and list local models (`asyncrl models prepare smollm2-135m-instruct`)"),
     "buffer": ("buffers.cli:main", "inspect a run's replay buffer (`stats`, `inspect`, `drain`)"),
     "rollout-server": ("rollout_server.cli:main", "run a rollout server: embedded engine + rollout worker"),
     "reward-model": ("asyncrl.reward_model.role:main", "serve a reward model (sequence classification) to the rollout workers"),
     "trainer": ("trainer.cli:main", "run the DeepSpeed trainer (works under torchrun and the deepspeed launcher)"),
-    "eval": ("asyncrl.evaluate:main", "held-out accuracy of a model or checkpoint on a task"),
-    "report": ("asyncrl.report:main", "curves (PNG) and a markdown summary of a run directory"),
+    "eval": ("asyncrl.evaluation.cli:main", "held-out accuracy of a model or checkpoint on a task"),
+    "report": ("asyncrl.metrics.report:main", "curves (PNG) and a markdown summary of a run directory"),
 }
 
 USAGE = "usage: asyncrl [-h] [--version] COMMAND [ARGS...]"

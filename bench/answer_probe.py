@@ -60,9 +60,9 @@ def probe(model_dir: str, config: str, num_problems: int, max_new_tokens: int = 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from asyncrl.models import resolve_model_path
-    from asyncrl.tasks import load_task, render_prompt, render_response_prefix
+    from asyncrl.tasks.tasks import load_task, render_prompt, render_response_prefix
 
     cfg = load_config(["--config", config], environ={})
     if cfg.data.task != "arithmetic" or cfg.data.arithmetic.n_terms != 2 or cfg.data.arithmetic.operators != "+":

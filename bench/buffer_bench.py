@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncrl.redis_server import RedisServer  # noqa: E402
+from asyncrl.controller.redis_server import RedisServer  # noqa: E402
 from buffers import BufferSettings, ReplayBuffer  # noqa: E402
 
 CHUNK = 16

@@ -3,7 +3,7 @@
 Workload: the first ``--num_problems`` (400) held-out problems of ``--config``
 (configs/smollm2_arith.yaml: SmolLM2-135M-Instruct, fp32, the arithmetic task with its chat
 template, system prompt and assistant prefill, 64 new tokens at most), scored by
-:func:`asyncrl.evaluate.evaluate_problems` exactly as ``asyncrl eval`` scores them. The model
+:func:`asyncrl.evaluation.evaluate.evaluate_problems` exactly as ``asyncrl eval`` scores them. The model
 is loaded once; each run evaluates every problem with one backend and batch size, on
 ``--threads`` torch threads, in this process:
 
@@ -75,10 +75,10 @@ def main() -> int:
 
     import torch
 
-    from asyncrl.config_cli import config_from_argv
-    from asyncrl.evaluate import evaluate_problems
+    from asyncrl.core.config_cli import config_from_argv
+    from asyncrl.evaluation.evaluate import evaluate_problems
     from asyncrl.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from asyncrl.tasks import load_task
+    from asyncrl.tasks.tasks import load_task
 
     torch.set_num_threads(args.threads)
     cfg = config_from_argv(["--config", args.config], "eval")

@@ -63,8 +63,8 @@ def drift(old_dir: str, new_dir: str, config: str, num_problems: int, splits: li
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.config import load_config
-    from asyncrl.tasks import load_task, render_prompt, render_response_prefix
+    from asyncrl.core.config import load_config
+    from asyncrl.tasks.tasks import load_task, render_prompt, render_response_prefix
 
     if not splits or any(k < 1 for k in splits):
         raise ValueError("splits are numbers of response tokens sampled before the update, each >= 1 (the "

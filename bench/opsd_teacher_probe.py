@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from asyncrl.agents.chat import ChatFormat  # noqa: E402
-from asyncrl.config import load_config  # noqa: E402
+from asyncrl.core.config import load_config  # noqa: E402
 from asyncrl.models import load_causal_lm, load_tokenizer  # noqa: E402
-from asyncrl.rewards import check_answer  # noqa: E402
-from asyncrl.tasks import load_task, render_prompt, render_response_prefix  # noqa: E402
+from asyncrl.tasks.rewards import check_answer  # noqa: E402
+from asyncrl.tasks.tasks import load_task, render_prompt, render_response_prefix  # noqa: E402
 
 SYSTEM_HINT = "The correct final answer is {gold}. Answer as if you had worked it out yourself."  # opsd.gold_answer_hint
 USER_NOTE = "(The answer is {gold}.)"  # opsd.gold_answer_note

@@ -99,8 +99,8 @@ def make_worker_class():
 async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, weights_dir: Path,
                    prompts: list[list[int]]) -> dict:
     """One measurement: feeder + worker + simulated trainer for ``a.duration_seconds``."""
-    from asyncrl.rewards import RewardScorer
-    from asyncrl.types import PromptGroup
+    from asyncrl.tasks.rewards import RewardScorer
+    from asyncrl.core.types import PromptGroup
     from buffers import BufferSettings, ReplayBuffer
     from rollout_server.client import EngineClient
     from rollout_server.worker import WorkerOptions
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     from asyncrl.models import load_tokenizer, resolve_model_path
-    from asyncrl.redis_server import RedisServer
+    from asyncrl.controller.redis_server import RedisServer
     from rollout_server.testing import start_embedded_server
 
     path = resolve_model_path(a.model)

@@ -81,7 +81,7 @@ synchronous knobs (docs/results.md) and what verl's and AReaL's synchronous base
 
 **Measured quantities** (``SimResult``), with asyncrl's definitions: seconds per train step,
 trained samples and response tokens per second, the trainer's idle ratio (``wait_batch`` share of
-each step, averaged over steps: ``asyncrl/run_watch.py``), each rollout server's idle ratio (time
+each step, averaged over steps: ``asyncrl/controller/run_watch.py``), each rollout server's idle ratio (time
 with no request in flight: ``RolloutWorker._set_idle``), running requests (time average, as
 ``/v1/loads`` sampled), staleness of every trained group (mean, max), restarts and drops, and the
 books: groups fed = trained + live + dropped.
@@ -136,7 +136,7 @@ INF = float("inf")
 def train_batch_groups(partial_percent: float, rollout_batch_size: int) -> int:
     """B = ceil(p * R) prompt groups per train batch.
 
-    The same formula as ``asyncrl.config.train_batch_groups`` (not imported: this module imports
+    The same formula as ``asyncrl.core.config.train_batch_groups`` (not imported: this module imports
     nothing heavy; ``tests/test_simulate.py`` pins the two together).
     """
     return max(1, math.ceil(partial_percent * rollout_batch_size - 1e-9))
@@ -619,7 +619,7 @@ class Buffer:
 
     # -------------------------------------------------------------------------------- feeding
     def feed_to(self, count: int) -> None:
-        """The feeder keeps ``count`` groups pending (asyncrl.feeder keeps R)."""
+        """The feeder keeps ``count`` groups pending (asyncrl.feeder.feeder keeps R)."""
         while len(self.pending) < count:
             g = Group(self._gid, self.fed, self.n)
             self._gid += 1
@@ -1030,7 +1030,7 @@ class SimConfig:
         return train_batch_groups(self.partial_percent, self.rollout_batch_size)
 
     def validate(self) -> None:
-        """The config validator's rules that matter here (asyncrl/config.py)."""
+        """The config validator's rules that matter here (asyncrl/core/config.py)."""
         if self.partial_percent < 1 and self.max_staleness == 0:
             raise ValueError("partial_percent < 1 needs max_staleness >= 1 (docs/concepts.md)")
         if self.pause_mode not in ("abort", "in_place"):

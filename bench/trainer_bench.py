@@ -19,7 +19,7 @@ Measured:
 Timing alternates trainer and plain steps on the same batch; tokens/s use the fastest of
 ``--steps`` repeats (the machine may be shared), the ratio of mean step times is also reported.
 4. ``publish_weights`` (gather, cast, write + fsync + sha256 + rename) and the rollout side's
-   load (``asyncrl.weights.load_state_dict_from_dir`` + ``load_state_dict``) for 135M fp32.
+   load (``asyncrl.core.weights.load_state_dict_from_dir`` + ``load_state_dict``) for 135M fp32.
 
 Usage: ``python bench/trainer_bench.py [--steps 3] [--groups 4] [--threads 2] [--json out.json]``.
 
@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from asyncrl.models import load_causal_lm, resolve_model_path
-    from asyncrl.weights import load_state_dict_from_dir
+    from asyncrl.core.weights import load_state_dict_from_dir
     from trainer.packing import packing_efficiency
     from trainer.trainer import Trainer
 

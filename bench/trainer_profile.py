@@ -62,7 +62,7 @@ def main_job_batch(cfg, tokenizer, groups: int, samples: int, lo: int, hi: int, 
     """Prompt groups as the buffer hands them to the trainer (see the module docstring)."""
     import torch
 
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
 
     stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.data.seed)
     g = torch.Generator().manual_seed(seed)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from asyncrl.models import load_causal_lm, load_tokenizer, resolve_model_path
     from trainer.trainer import Trainer
 

@@ -83,10 +83,10 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from asyncrl.models import resolve_model_path
-    from asyncrl.rewards import math_verify_reward
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.rewards import math_verify_reward
+    from asyncrl.tasks.tasks import TrainPromptStream
 
     torch.set_num_threads(threads)
     cfg = load_config(["--config", str(CONFIG)], environ={})
@@ -170,7 +170,7 @@ def run_asyncrl(out_dir: Path, name: str, seconds: float, eval_every: int, num_p
     equal], ...] about every 30 s of training.
     Raises SystemExit when the run fails (its log is named).
     """
-    from asyncrl.report import load_run, summarize
+    from asyncrl.metrics.report import load_run, summarize
     cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--config", str(CONFIG), "--run.name", name,
            "--run.output_dir", str(out_dir), "--run.max_wall_seconds", str(int(seconds)), "--run.total_steps", "100000",
            "--monitoring.eval_interval", str(eval_every), "--monitoring.eval_num_problems", str(num_problems),

@@ -4,7 +4,7 @@ One :class:`ReplayBuffer` per process over one ``redis.asyncio.Redis`` (redis-py
 guidance: one client per process, shared by its tasks). Every transition is one Lua script in
 ``buffers/lua`` (validate first, then write), so a client killed between two calls leaves no
 half-applied state, and a Redis killed with ``kill -9`` keeps every acknowledged write (AOF,
-see ``asyncrl/redis_server.py``). The API contract and state diagram are in docs/buffer.md.
+see ``asyncrl/controller/redis_server.py``). The API contract and state diagram are in docs/buffer.md.
 
 Beside this module: ``buffers/settings.py`` (:class:`BufferSettings`, the knobs enforced),
 ``buffers/inspection.py`` (reading groups and samples, ``stats``), ``buffers/scripts.py`` (the
@@ -31,7 +31,7 @@ import math
 import time
 from typing import Any, Iterable, Sequence
 
-from asyncrl.types import (
+from asyncrl.core.types import (
     Batch,
     BatchGroup,
     GroupState,
@@ -141,7 +141,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         if owns:
             import redis.asyncio as aioredis
 
-            from asyncrl.secret_values import reveal
+            from asyncrl.core.secret_values import reveal
 
             client = aioredis.Redis.from_url(reveal(redis) or "", decode_responses=False, max_connections=max_connections)
         else:
@@ -228,7 +228,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         ``skip``: dataset positions right after the groups that are not fed because the pass-rate
         filter removed their prompts (counted ``skipped_prompts:pass_rate_filter``); ``predicted``:
         ``(train problem index, "easy" | "hard")`` of the positions after the groups that the
-        selective-rollout rule skipped (:mod:`asyncrl.selective_rollout`; counted
+        selective-rollout rule skipped (:mod:`asyncrl.feeder.selective_rollout`; counted
         ``skipped_prompts:zero_variance_predicted`` and ``predicted_skips:<kind>``, and each
         problem's ``prompt_skips`` += 1). So cursor = groups fed + prompts skipped, by reason.
 

@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
     try:
         return asyncio.run(_amain(args))
     except (OSError, RedisError) as exc:
-        from asyncrl.secret_values import redact_url
+        from asyncrl.core.secret_values import redact_url
 
         print(f"asyncrl buffer: cannot reach {redact_url(args.redis_url)}: {_redact(str(exc), args.redis_url)}",
               file=sys.stderr)

@@ -12,7 +12,16 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from asyncrl.types import GroupState, PromptGroup, Sample, SampleStatus, Segment, unpack_f32, unpack_i32
+from asyncrl.core.types import (
+    SEGMENT_REASONS,
+    GroupState,
+    PromptGroup,
+    Sample,
+    SampleStatus,
+    Segment,
+    unpack_f32,
+    unpack_i32,
+)
 from buffers.errors import MalformedData, UnknownItem
 from buffers.scripts import _s
 
@@ -38,7 +47,7 @@ def sampling_counts(counters: dict[str, int]) -> dict[str, Any]:
         "zero_variance_share": zero / finished if finished else 0.0,
         "discarded_best_of_n": counters.get("discarded_best_of_n", 0),
         "skipped_prompts": sum(v for k, v in counters.items() if k.startswith("skipped_prompts:")),
-        # selective rollout (asyncrl.selective_rollout): visits skipped before generation, by kind,
+        # selective rollout (asyncrl.feeder.selective_rollout): visits skipped before generation, by kind,
         # and their share of the visits the rule saw (groups fed + predicted skips)
         "skipped_zero_variance_predicted": predicted,
         "predicted_skips_easy": counters.get("predicted_skips:easy", 0),
@@ -46,7 +55,7 @@ def sampling_counts(counters: dict[str, int]) -> dict[str, Any]:
         "predicted_skip_share": predicted / visits if visits else 0.0,
     }
 
-_SEGMENT_REASON = {1: "stop", 2: "length", 3: "abort", 4: "budget", 5: "abort", 6: "turn", 7: "obs", 8: "ctx"}
+_SEGMENT_REASON = SEGMENT_REASONS  # asyncrl.core.types: the codes of buffers/lua/settings.lua, a lost lease read as abort
 
 
 class BufferInspection:

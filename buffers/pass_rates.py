@@ -1,6 +1,6 @@
 """The Redis side of the pass-rate dataset filter: recorded group means and the removed prompts.
 
-The filter itself (which prompts to remove, AReaL's rule) is :mod:`asyncrl.prompt_filter`; the
+The filter itself (which prompts to remove, AReaL's rule) is :mod:`asyncrl.feeder.prompt_filter`; the
 feeder is its only writer. Keys of the run (docs/buffer.md#pass-rate-dataset-filter):
 
 * ``pass_rates`` (hash group id -> mean reward of the group's scored samples): written by
@@ -11,7 +11,7 @@ feeder is its only writer. Keys of the run (docs/buffer.md#pass-rate-dataset-fil
   ``filter_epoch`` (the last epoch the filter ran for): written together in one transaction,
   so a resumed run (same Redis, AOF) keeps the removed prompts out and never filters an epoch twice.
 
-The selective-rollout rule (:mod:`asyncrl.selective_rollout`; docs/buffer.md#selective-rollout-skipping-predicted-zero-variance-prompts)
+The selective-rollout rule (:mod:`asyncrl.feeder.selective_rollout`; docs/buffer.md#selective-rollout-skipping-predicted-zero-variance-prompts)
 reads two more hashes, both keyed by train problem index:
 
 * ``prompt_history`` -> ``"z r cursor base_z base_r"``: the zero-variance streak of the problem's

@@ -12,13 +12,14 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from asyncrl.core.types import REPORTED_FINISH_REASONS
 from buffers.errors import BadRequest
 
 __all__ = ["BufferSettings", "STALE_POLICIES", "FINISH_REASONS", "settings_fields"]
 
 STALE_POLICIES = ("restart", "drop", "keep")
 #: segment ends a worker may send with ``end_segment`` (``turn``: a model call of an episode ended)
-FINISH_REASONS = ("stop", "length", "abort", "budget", "turn")
+FINISH_REASONS = REPORTED_FINISH_REASONS  # asyncrl.core.types: the one finish-reason vocabulary
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class BufferSettings:
             feeder's pass-rate dataset filter (on when ``data.dataset_max_filter_percentage`` > 0).
         record_prompt_history: when a group finishes, update its train problem's zero-variance streak in
             ``prompt_history`` (and clear its ``prompt_skips``) for the selective-rollout rule (GRESO,
-            arXiv:2506.02177; on when ``data.selective_rollout.enabled``; :mod:`asyncrl.selective_rollout`).
+            arXiv:2506.02177; on when ``data.selective_rollout.enabled``; :mod:`asyncrl.feeder.selective_rollout`).
 
     These four are not Lua arguments: the scripts read them from the stored settings JSON
     when a group finishes (``run_settings()`` in ``lua/settings.lua``).
@@ -99,7 +100,7 @@ class BufferSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "BufferSettings":
-        """Settings from an :class:`asyncrl.config.AsyncRLConfig`."""
+        """Settings from an :class:`asyncrl.core.config.AsyncRLConfig`."""
         r, b = cfg.rollout, cfg.buffer
         policy = b.stale_policy.value if hasattr(b.stale_policy, "value") else str(b.stale_policy)
         return cls(
@@ -121,8 +122,8 @@ class BufferSettings:
 
     @classmethod
     def from_partial_percent(cls, rollout_batch_size: int, partial_percent: float, **kw: Any) -> "BufferSettings":
-        """Settings with B = ceil(p * R) (:func:`asyncrl.config.train_batch_groups`)."""
-        from asyncrl.config import train_batch_groups
+        """Settings with B = ceil(p * R) (:func:`asyncrl.core.config.train_batch_groups`)."""
+        from asyncrl.core.config import train_batch_groups
 
         if not 0 < partial_percent <= 1:
             raise BadRequest(f"partial_percent must be in (0, 1], got {partial_percent}")

@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any, AsyncIterator
 
-from asyncrl.types import WeightAnnouncement
+from asyncrl.core.types import WeightAnnouncement
 from buffers.errors import BadRequest
 from buffers.keys import SCHEMA_VERSION, key_prefix
 from buffers.scripts import Scripts

@@ -52,8 +52,8 @@ def _split_own_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``asyncrl rollout-server``; returns the exit code."""
-    from asyncrl.config import ConfigError
-    from asyncrl.config_cli import config_from_argv
+    from asyncrl.core.config import ConfigError
+    from asyncrl.core.config_cli import config_from_argv
 
     try:
         own, rest = _split_own_flags(list(argv))

@@ -332,7 +332,7 @@ class EngineClient:
     async def update_weights_from_tensor(self, named_tensors: dict[str, Any], weight_version: str | None = None,
                                          abort_all_requests: bool = False, timeout: float | None = 600.0) -> dict:
         """``/update_weights_from_tensor`` with a base64 safetensors payload (embedded engine only)."""
-        from asyncrl.weights import encode_safetensors_payload
+        from asyncrl.core.weights import encode_safetensors_payload
 
         body = {"serialized_named_tensors": [encode_safetensors_payload(named_tensors)],
                 "load_format": "safetensors", "abort_all_requests": abort_all_requests}

@@ -41,81 +41,19 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from rollout_server.engine_outputs import EngineOutputs, eos_ids
 from rollout_server.engine_prefill import EnginePrefill
+from rollout_server.engine_sample import EngineGroup, EngineSample, abort_reason
 from rollout_server.engine_weights import DEFERRED, EngineWeights
 from rollout_server.kv_cache import KVCacheSlots
-from rollout_server.sampling import RequestError, SamplingParams
+from rollout_server.sampling import RequestError
 
-__all__ = ["Engine", "EngineSample", "EngineGroup", "abort_reason", "RequestError"]
+__all__ = ["Engine", "RequestError"]
 
 log = logging.getLogger(__name__)
-
-
-def abort_reason(message: str = "Aborted") -> dict:
-    """SGLang's abort finish reason (``FINISH_ABORT.to_json()``)."""
-    if message == "Aborted":
-        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
-    return {"type": "abort", "message": message}
-
-
-@dataclass(eq=False)
-class EngineSample:
-    """One output sequence being generated (a ``/generate`` request, or one of its ``n`` samples).
-
-    The engine thread appends to the lists and then replaces :attr:`published` (an immutable
-    ``(num_tokens, finish_reason)`` snapshot); readers in other threads look at
-    ``published`` first and slice the lists up to that length, so they never see a torn state.
-    """
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[Any] = field(default_factory=list)
-    input_token_logprobs: list[Any] | None = None
-    #: ``[(weight_version, first output index), ...]``: which weights produced which tokens
-    version_starts: list[tuple[str, int]] = field(default_factory=list)
-    finish_reason: dict | None = None
-    published: tuple[int, dict | None] = (0, None)
-    created_time: float = field(default_factory=time.time)
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_retractions: int = 0
-    cached_tokens: int = 0
-    generator: Any = None
-    #: set by the HTTP layer: anything with ``.set()`` (an asyncio.Event) woken on progress
-    waiter: Any = None
-    index: int = 0
-    #: engine-private: the sample belongs to a request of more samples than the fair reserve
-    #: (:attr:`Engine.reserve_rows`); such requests share at most ``max_batch_size - reserve_rows`` rows
-    big: bool = False
-    # engine-private
-    _stop_scan_from: int = 0
-    _stop_text_len: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(eq=False)
-class EngineGroup:
-    """Samples that share one prompt (and so one prefill): one prompt's ``n`` samples.
-
-    The engine's unit of submission, not the buffer's prompt group (:class:`asyncrl.types.PromptGroup`,
-    which carries a group id, metadata and its place in the run).
-    """
-
-    prompt_ids: list[int]
-    samples: list[EngineSample]
 
 
 @dataclass(eq=False)
@@ -210,8 +148,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
             "request_errors_total": 0,  # requests failed alone by an error of their own (engine_outputs._fail_requests)
             "follow_switches_total": 0,  # thread-count changes under resources.core_sharing: follow
         }
-        # resources.core_sharing: follow — all cores' threads while the trainer waits (asyncrl/core_follow.py)
-        from asyncrl.core_follow import follower_from_env
+        # resources.core_sharing: follow — all cores' threads while the trainer waits (asyncrl/core/core_follow.py)
+        from asyncrl.core.core_follow import follower_from_env
 
         self.follower = follower_from_env(threads, torch.set_num_threads)
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)

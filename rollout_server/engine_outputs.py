@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_server.sampling import NonFiniteLogits, sample_tokens
 
 if TYPE_CHECKING:
-    from rollout_server.engine import EngineSample
+    from rollout_server.engine_sample import EngineSample
 
 __all__ = ["EngineOutputs", "eos_ids"]
 

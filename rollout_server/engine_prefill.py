@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollout_server.engine import EngineSample
+    from rollout_server.engine_sample import EngineSample
 
 __all__ = ["EnginePrefill"]
 

@@ -2,7 +2,7 @@
 
 One claimed work item of a run with ``agent.workflow`` set is one **episode** (docs/agents.md).
 :class:`EpisodeRunner` runs the user's workflow against an
-:class:`asyncrl.agents.workflow.EpisodeModel` whose live calls (:class:`_LiveCalls`) stream
+:class:`asyncrl.agents.model.EpisodeModel` whose live calls (:class:`_LiveCalls`) stream
 into the buffer exactly as a single-turn sample does (chunks of ``buffer.flush_tokens`` with
 behaviour logprobs and per-token versions), plus two episode-only writes:
 
@@ -35,17 +35,17 @@ from typing import Any
 
 from asyncrl.agents.chat import ChatFormat
 from asyncrl.agents.loader import LoadedWorkflow
+from asyncrl.agents.model import EpisodeModel
 from asyncrl.agents.workflow import (
     Episode,
     EpisodeInterrupt,
-    EpisodeModel,
     EpisodeTask,
     EpisodeTimeout,
     NonDeterministicWorkflow,
     RecordedHistory,
     TokenLimit,
 )
-from asyncrl.types import SampleStatus, WorkItem, WorkKind
+from asyncrl.core.types import SampleStatus, WorkItem, WorkKind
 from buffers.errors import VersionAhead
 from rollout_server.client import EngineError, EngineUnavailable
 from rollout_server.worker_options import WorkerError
@@ -90,7 +90,7 @@ class _LiveCalls:
         self.item = item
         self.length = item.length_tokens
         self.last_output: tuple[list[int], list[float], list[int]] | None = None
-        # per-version budget, tracked as the buffer does (asyncrl.types.WorkItem.max_new_tokens)
+        # per-version budget, tracked as the buffer does (asyncrl.core.types.WorkItem.max_new_tokens)
         self._bver = item.clock_version
         self._bused = item.produced_under_version_tokens
         self.live_calls = 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollout_server.engine import Engine, EngineSample
+    from rollout_server.engine_sample import EngineSample
 
 __all__ = ["KVCacheSlots"]
 
@@ -48,7 +48,7 @@ class _BufferLayer:
     is_croppable = False
     is_initialized = True
 
-    def __init__(self, engine: "Engine", idx: int):
+    def __init__(self, engine: "KVCacheSlots", idx: int):
         self.engine, self.idx = engine, idx
 
     def update(self, key_states, value_states, *args, **kwargs):

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.net import free_port
-from asyncrl.process_guard import pdeathsig_preexec
+from asyncrl.core.net import free_port
+from asyncrl.core.process_guard import pdeathsig_preexec
 from rollout_server.client import EngineClient, EngineUnavailable
 from rollout_server.limits import limit_flags
 
 if TYPE_CHECKING:  # pragma: no cover
-    from asyncrl.config import AsyncRLConfig
+    from asyncrl.core.config import AsyncRLConfig
 
 __all__ = ["ServerHandle", "engine_command", "launch_servers", "stop_servers"]
 
@@ -80,7 +80,7 @@ async def launch_servers(cfg: "AsyncRLConfig", model_path: str | None = None, we
     from rollout_server.sglang import sglang_available, sglang_command
 
     r = cfg.rollout
-    from asyncrl.secret_values import ENGINE_API_KEY_ENV, reveal
+    from asyncrl.core.secret_values import ENGINE_API_KEY_ENV, reveal
 
     api_key = reveal(cfg.security.api_key) if r.api_key_required else None
     if r.server_urls:
@@ -106,7 +106,7 @@ async def launch_servers(cfg: "AsyncRLConfig", model_path: str | None = None, we
             child_env.pop(ENGINE_API_KEY_ENV, None)
             if api_key and build is engine_command:
                 child_env[ENGINE_API_KEY_ENV] = api_key
-            # PR_SET_PDEATHSIG: an engine never outlives the process that launched it (asyncrl.process_guard)
+            # PR_SET_PDEATHSIG: an engine never outlives the process that launched it (asyncrl.core.process_guard)
             proc = subprocess.Popen(build(cfg, model_path, port, weight_version), stdout=out, stderr=subprocess.STDOUT,
                                     env=child_env, preexec_fn=pdeathsig_preexec())
             handles.append(ServerHandle(f"http://{r.host}:{port}", proc, log_path))

@@ -152,7 +152,7 @@ def limits_from_args(a: argparse.Namespace) -> ServerLimits:
 
 
 def limit_flags(rollout_cfg: Any) -> list[str]:
-    """Server flags for the ``rollout.engine_*`` limit fields of a :class:`asyncrl.config.RolloutConfig`."""
+    """Server flags for the ``rollout.engine_*`` limit fields of a :class:`asyncrl.core.config.RolloutConfig`."""
     out: list[str] = []
     for f in fields(ServerLimits):
         v = getattr(rollout_cfg, "engine_" + f.name, None)

@@ -21,7 +21,8 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout_server.engine import Engine, EngineGroup, EngineSample
+from rollout_server.engine import Engine
+from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.limits import BodyError, BodyReader
 from rollout_server.sampling import RequestError, SamplingParams
 from rollout_server.schemas import GenerateBody, SamplingParamsBody, parse_body, parse_json, validate_body

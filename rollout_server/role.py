@@ -20,7 +20,7 @@ At start it checks that ``rollout.max_response_len`` fits the model's context
 (:func:`asyncrl.models.check_context`; the feeder rejects prompts that do not leave room).
 
 A Redis that is down or restarting when the server starts is waited for (``buffer.outage_seconds``,
-one WARNING line; :mod:`asyncrl.outage`); the worker itself retries its claims through an outage.
+one WARNING line; :mod:`asyncrl.core.outage`); the worker itself retries its claims through an outage.
 A stream the worker drops is logged as one INFO line (:class:`ClientDisconnectFilter`).
 
 SIGTERM / SIGINT (explicit handlers, so it works as PID 1 in a container) drain: stop
@@ -84,12 +84,12 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     """Run engine + worker (or workers attached to URLs) until ``stop`` or SIGTERM; returns the exit code.
 
     Raises:
-        asyncrl.config.ConfigError: ``max_response_len`` does not fit the model's context.
+        asyncrl.core.config.ConfigError: ``max_response_len`` does not fit the model's context.
         asyncrl.models.ModelNotFoundError: ``model.path`` cannot be resolved.
     """
     from asyncrl.metrics import role_registry, start_metrics_server
     from asyncrl.models import check_context, load_tokenizer, resolve_model_path
-    from asyncrl.rewards import RewardScorer
+    from asyncrl.tasks.rewards import RewardScorer
     from buffers import BufferSettings, ReplayBuffer
     from rollout_server.client import EngineClient
     from rollout_server.worker import RolloutWorker, WorkerError, WorkerOptions
@@ -104,7 +104,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     model_path = str(resolve_model_path(cfg.model.path))
     context = check_context(cfg, max_prompt_tokens=1)
     tokenizer = load_tokenizer(model_path)
-    from asyncrl.secret_values import reveal
+    from asyncrl.core.secret_values import reveal
 
     scorer = RewardScorer.from_config(cfg.data, cfg.reward, reveal(cfg.security.api_key))
 
@@ -125,7 +125,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     else:
         from aiohttp import web
 
-        from asyncrl.net import SERVER_KWARGS, free_port
+        from asyncrl.core.net import SERVER_KWARGS, free_port
         from rollout_server.server import RolloutHTTPServer, ServerOptions
 
         index = server_index or 0
@@ -147,7 +147,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
         metrics_list = [server.rollout_metrics]
         _print(f"embedded engine serving {model_path} on {urls[0]}")
 
-    from asyncrl.outage import DependencyOutage, OutageGuard
+    from asyncrl.core.outage import DependencyOutage, OutageGuard
 
     guard = OutageGuard(f"rollout-server {server_index if server_index is not None else ''}".strip(),
                         cfg.buffer.outage_seconds)

@@ -94,25 +94,6 @@ class SamplingParams:
             self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias
         )
 
-    @classmethod
-    def from_dict(cls, raw: Any, vocab_size: int) -> "SamplingParams":
-        """Validate a JSON ``sampling_params`` object (``None`` is all defaults).
-
-        The rules are :class:`rollout_server.schemas.SamplingParamsBody`'s: SGLang's keys and
-        ``verify()`` ranges, strict types, every number bounded to what the sampler accepts.
-
-        Raises:
-            RequestError: not an object, an unknown key, a wrong type or an out-of-range value
-                (the message names the key), or a grammar option (unsupported here).
-        """
-        from rollout_server.schemas import SamplingParamsBody, validate_body
-
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
-        return validate_body(SamplingParamsBody, raw, context={"vocab_size": int(vocab_size)}).to_params()
-
     def bias_tensors(self):
         """``(token ids, values)`` of ``logit_bias`` as tensors (built once, then reused every step)."""
         import torch

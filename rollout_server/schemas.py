@@ -31,9 +31,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from rollout_server.sampling import RequestError
+from rollout_server.sampling import RequestError, SamplingParams
 
 __all__ = [
+    "sampling_params_from_dict",
     "MAX_COUNT",
     "MAX_SEED",
     "MAX_LOGIT_BIAS",
@@ -243,8 +244,6 @@ class SamplingParamsBody(_Strict):
 
     def to_params(self) -> Any:
         """The engine's :class:`~rollout_server.sampling.SamplingParams` for these values."""
-        from rollout_server.sampling import SamplingParams
-
         values = {name: getattr(self, name) for name in SamplingParamsBody.model_fields}
         values["stop"] = list(values["stop"])
         values["stop_token_ids"] = list(values["stop_token_ids"])
@@ -582,3 +581,20 @@ def format_validation_error(exc: ValidationError, schema: type[BaseModel], what:
         msg = f"{e['msg']}, got {_short(e.get('input'))}"
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return (f"{where}: {msg}" if where else msg) + more
+
+
+def sampling_params_from_dict(raw: Any, vocab_size: int) -> SamplingParams:
+    """Validate a JSON ``sampling_params`` object (``None`` is all defaults) into the engine's record.
+
+    The rules are :class:`SamplingParamsBody`'s: SGLang's keys and ``verify()`` ranges, strict
+    types, every number bounded to what the sampler accepts.
+
+    Raises:
+        RequestError: not an object, an unknown key, a wrong type or an out-of-range value
+            (the message names the key), or a grammar option (unsupported here).
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
+    return validate_body(SamplingParamsBody, raw, context={"vocab_size": int(vocab_size)}).to_params()

@@ -45,9 +45,10 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.aio import wait_event
-from asyncrl.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
-from rollout_server.engine import Engine, EngineGroup, EngineSample
+from asyncrl.core.aio import wait_event
+from asyncrl.core.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
+from rollout_server.engine import Engine
+from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
 from rollout_server.requests import (
     GenerateLimits,
@@ -61,8 +62,8 @@ from rollout_server.requests import (
     refused,
     response_object,
 )
-from rollout_server.sampling import RequestError, SamplingParams
-from rollout_server.schemas import AbortBody, ContinueBody, PauseBody
+from rollout_server.sampling import RequestError
+from rollout_server.schemas import AbortBody, ContinueBody, PauseBody, sampling_params_from_dict
 from rollout_server.server_metrics import EngineCollector, metric_model_name
 from rollout_server.server_options import ServerOptions, parse_args as _parse_args
 from rollout_server.weight_endpoints import WeightEndpoints, destroy_group
@@ -219,7 +220,7 @@ class RolloutHTTPServer(WeightEndpoints):
     async def auth_middleware(self, request: web.Request, handler):
         """Refuse a ``Content-Encoding`` (415), then check the API key (401; 400 for a non-ASCII
         credential header), all before a byte of the body is read (the connection is then closed,
-        never lingered on: :data:`asyncrl.net.SERVER_KWARGS`)."""
+        never lingered on: :data:`asyncrl.core.net.SERVER_KWARGS`)."""
         refusal = content_encoding_refusal(request.headers)
         if refusal is not None:
             resp = error_response(refusal, 415)
@@ -294,7 +295,7 @@ class RolloutHTTPServer(WeightEndpoints):
         while not all(s.published[1] is not None for s in samples):
             if _client_gone(request):  # checked at every wake-up: every decode step that advanced these samples
                 raise asyncio.CancelledError()  # the finally of handle_generate aborts them
-            if await wait_event(waiter, _DISCONNECT_POLL_SECONDS):  # not wait_for: see asyncrl.aio
+            if await wait_event(waiter, _DISCONNECT_POLL_SECONDS):  # not wait_for: see asyncrl.core.aio
                 waiter.clear()
         for s in samples:
             status = (s.finish_reason or {}).get("status_code")
@@ -459,7 +460,7 @@ class RolloutHTTPServer(WeightEndpoints):
             return web.Response(status=503)
         if not self._unpaused.is_set():
             return web.Response(status=200)
-        sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}, self.engine.vocab_size)
+        sp = sampling_params_from_dict({"max_new_tokens": 1, "temperature": 0}, self.engine.vocab_size)
         s = EngineSample(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[0], params=sp)
         s.waiter = asyncio.Event()
         self.engine.submit([EngineGroup([0], [s])])

@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from asyncrl.config import AsyncRLConfig
+    from asyncrl.core.config import AsyncRLConfig
 
 __all__ = ["SGLANG_DOCUMENTED_FLAGS", "sglang_available", "sglang_command"]
 
@@ -90,7 +90,7 @@ def sglang_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
     if cfg.model.max_context_len is not None:
         cmd += ["--context-length", str(cfg.model.max_context_len)]
     if r.api_key_required and cfg.security.api_key:
-        from asyncrl.secret_values import reveal
+        from asyncrl.core.secret_values import reveal
 
         # SGLang takes its key on the command line only: visible in `ps` (docs/security.md)
         cmd += ["--api-key", reveal(cfg.security.api_key) or ""]

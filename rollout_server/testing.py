@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.net import free_port
+from asyncrl.core.net import free_port
 from rollout_server.client import EngineClient
 
 __all__ = ["ServerProcess", "serve_app", "start_embedded_server", "make_random_model", "greedy_reference", "recompute_logprobs"]
@@ -139,7 +139,7 @@ async def serve_app(app: Any, host: str = "127.0.0.1"):
     """
     from aiohttp import web
 
-    from asyncrl.net import SERVER_KWARGS
+    from asyncrl.core.net import SERVER_KWARGS
 
     runner = web.AppRunner(app, **SERVER_KWARGS)
     await runner.setup()

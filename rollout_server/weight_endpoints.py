@@ -47,7 +47,7 @@ class WeightEndpoints:
     """
 
     async def _apply_weights(self, state: dict, version: Any, abort_all: bool) -> web.Response:
-        from asyncrl.weights import WeightLoadError
+        from asyncrl.core.weights import WeightLoadError
 
         try:
             res = await asyncio.wrap_future(
@@ -69,7 +69,7 @@ class WeightEndpoints:
 
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_disk``: load a safetensors directory (:class:`~rollout_server.schemas.UpdateFromDiskBody`)."""
-        from asyncrl.weights import WeightLoadError, load_state_dict_from_dir
+        from asyncrl.core.weights import WeightLoadError, load_state_dict_from_dir
 
         try:
             body = await self._weights_body(request, UpdateFromDiskBody, "/update_weights_from_disk")
@@ -84,7 +84,7 @@ class WeightEndpoints:
 
     async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_tensor``: base64 safetensors payloads (:class:`~rollout_server.schemas.UpdateFromTensorBody`)."""
-        from asyncrl.weights import WeightLoadError, decode_safetensors_payload
+        from asyncrl.core.weights import WeightLoadError, decode_safetensors_payload
 
         try:
             body = await self._weights_body(request, UpdateFromTensorBody, "/update_weights_from_tensor")
@@ -146,7 +146,7 @@ class WeightEndpoints:
                 raise RequestError(f"no weight update group {body.group_name!r}: call /init_weights_update_group first")
         except RequestError as exc:
             return _refused(exc)
-        from asyncrl.weights import WeightLoadError
+        from asyncrl.core.weights import WeightLoadError
 
         async with self._weights_lock:
             try:

@@ -2,7 +2,7 @@
 
 One job: join rank 0's gloo group and receive its broadcasts without ever holding the server
 hostage (issue #18 item 5). :func:`join_group` makes the same group as
-:func:`asyncrl.weights.init_weights_update_group` (SGLang's ``init_custom_process_group``: a
+:func:`asyncrl.core.weights.init_weights_update_group` (SGLang's ``init_custom_process_group``: a
 ``tcp://`` rendezvous, then a gloo group under the store prefix ``<group_name>/cpu/`` that
 torch's ``_new_process_group_helper`` uses, so the trainer's rank 0 is unchanged) but creates the
 gloo device on the server's own host, so the engine listens only where its HTTP server does
@@ -65,7 +65,7 @@ def receive_broadcasts(pg: Any, names: list[str], dtypes: list[str], shapes: lis
     import torch
     import torch.distributed as dist
 
-    from asyncrl.weights import WeightLoadError
+    from asyncrl.core.weights import WeightLoadError
 
     allowed = ("float32", "float16", "bfloat16", "float64")
     specs = []

@@ -32,7 +32,7 @@ What a worker does, concurrently (asyncio tasks):
 * **Version clock (pull).** Subscribes to the weights channel and polls
   ``clock.latest()`` (pub/sub can miss messages). On a newer version (or a new lineage) it
   fetches the weights first (``http``: download + sha256 check via
-  :func:`asyncrl.weights.download_weights` into a local cache; ``disk``: the announced
+  :func:`asyncrl.core.weights.download_weights` into a local cache; ``disk``: the announced
   directory), then pauses the engine (``rollout.pause_mode``: ``abort`` ends every request, its
   partial output becoming an old-version segment; ``in_place`` keeps the KV cache and relies on
   per-token versions), loads the weights with ``/update_weights_from_disk`` and
@@ -73,8 +73,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.aio import cancel_and_wait
-from asyncrl.types import SampleStatus, WorkItem, WorkKind
+from asyncrl.core.aio import cancel_and_wait
+from asyncrl.core.types import SampleStatus, WorkItem, WorkKind
 from buffers.errors import LeaseLost, UnknownItem, VersionAhead
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -107,7 +107,7 @@ class RolloutWorker(WorkerWeightSync):
         buffer: an open :class:`buffers.ReplayBuffer` (its settings give ``flush_tokens``,
             ``lease_seconds`` and ``max_response_len``).
         client: the engine's :class:`EngineClient`.
-        scorer: an :class:`asyncrl.rewards.RewardScorer` (never raises; errors -> FAILED).
+        scorer: an :class:`asyncrl.tasks.rewards.RewardScorer` (never raises; errors -> FAILED).
         tokenizer: decodes prompt and response ids into text for the reward function.
         options: :class:`WorkerOptions`.
         metrics: optional :class:`asyncrl.metrics.RolloutMetrics`.

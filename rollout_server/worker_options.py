@@ -75,7 +75,7 @@ class WorkerOptions:
 
     @classmethod
     def from_config(cls, cfg: Any, worker_id: str, **overrides: Any) -> "WorkerOptions":
-        """Options from an :class:`asyncrl.config.AsyncRLConfig` (``overrides`` win)."""
+        """Options from an :class:`asyncrl.core.config.AsyncRLConfig` (``overrides`` win)."""
         r = cfg.rollout
         kw: dict[str, Any] = dict(
             worker_id=worker_id, temperature=r.temperature, max_inflight_requests=r.max_inflight_requests,

@@ -31,9 +31,9 @@ import shutil
 import time
 from pathlib import Path
 
-from asyncrl.aio import wait_event
-from asyncrl.outage import outage_errors
-from asyncrl.types import WeightAnnouncement
+from asyncrl.core.aio import wait_event
+from asyncrl.core.outage import outage_errors
+from asyncrl.core.types import WeightAnnouncement
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollout_server.client import EngineError, EngineUnavailable
@@ -112,7 +112,7 @@ class WorkerWeightSync:
     async def _watch_versions(self) -> None:
         while not self._stopping:
             # not asyncio.wait_for: on Python < 3.12 it can swallow the cancellation that ends
-            # this loop at shutdown (asyncrl.aio explains)
+            # this loop at shutdown (asyncrl.core.aio explains)
             await wait_event(self._announced, self.opts.version_poll_seconds)
             self._announced.clear()
             if self._stopping or self._draining or self._engine_lost or _now() < self._retry_after:
@@ -139,7 +139,7 @@ class WorkerWeightSync:
 
             return str(resolve_model_path(self.opts.base_model_path))
         if uri.startswith(("http://", "https://")):
-            from asyncrl.weights import download_weights
+            from asyncrl.core.weights import download_weights
 
             cache = self.opts.weights_cache_dir
             if cache is None:

@@ -13,7 +13,7 @@ asyncrl models prepare smollm2-135m-instruct
 short=(--run.name "quickstart-$(date +%Y%m%d-%H%M%S)" --run.max_wall_seconds 600)
 if [ "${1:-}" = "--full" ]; then shift; short=(); fi
 asyncrl train --config configs/smollm2_arith.yaml "${short[@]}" "$@"
-run_dir=$(python -c 'import sys; from asyncrl.config import load_config; print(load_config(sys.argv[1:]).run.run_dir)' \
+run_dir=$(python -c 'import sys; from asyncrl.core.config import load_config; print(load_config(sys.argv[1:]).run.run_dir)' \
   --config configs/smollm2_arith.yaml "${short[@]}" "$@")
 asyncrl report "$run_dir"
 echo "quickstart: report in $run_dir/report.md and $run_dir/report.png"

@@ -45,7 +45,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh real redis-server (AOF everysec, password) in ``tmp_path/redis``; stopped after the test."""
-    from asyncrl.redis_server import RedisServer
+    from asyncrl.controller.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     try:

@@ -127,7 +127,7 @@ def test_precomputed_add_mode_still_validates_and_falls_back():
 
 
 def test_precomputed_add_mode_is_refused_with_gae():
-    from asyncrl.config import AsyncRLConfig
+    from asyncrl.core.config import AsyncRLConfig
 
     with pytest.raises(ValueError, match="precomputed_advantages: add"):
         AsyncRLConfig.model_validate({"trainer": {"advantage": "gae", "precomputed_advantages": "add"}})

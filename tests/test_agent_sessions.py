@@ -17,10 +17,10 @@ import pytest
 
 from asyncrl.agents import ChatFormat, load_workflow
 from asyncrl.agents.sessions import ChatRequest, RewardRequest, prompt_messages, render_messages_ids
-from asyncrl.config import AgentConfig, AsyncRLConfig
-from asyncrl.rewards import check_answer
-from asyncrl.tasks import render_prompt
-from asyncrl.types import PromptGroup, SampleStatus
+from asyncrl.core.config import AgentConfig, AsyncRLConfig
+from asyncrl.tasks.rewards import check_answer
+from asyncrl.tasks.tasks import render_prompt
+from asyncrl.core.types import PromptGroup, SampleStatus
 from buffers import BufferSettings, ReplayBuffer
 from rollout_server.client import EngineClient
 from rollout_server.episodes import EpisodeRunner
@@ -54,7 +54,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def _worker(buf, url, tokenizer, command, **agent_kw) -> RolloutWorker:
-    from asyncrl.rewards import RewardScorer
+    from asyncrl.tasks.rewards import RewardScorer
 
     opts = WorkerOptions("w-sessions", temperature=1.0, max_inflight_requests=4, version_poll_seconds=0.1)
     w = RolloutWorker(buf, EngineClient(url), RewardScorer("rollout_worker_rewards:length_reward"), tokenizer, opts)

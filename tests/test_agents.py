@@ -16,8 +16,8 @@ import pytest
 
 from asyncrl.agents import ChatFormat, load_workflow
 from asyncrl.agents.workflow import RecordedHistory
-from asyncrl.config import AgentConfig, AsyncRLConfig
-from asyncrl.types import PromptGroup, SampleStatus, Segment
+from asyncrl.core.config import AgentConfig, AsyncRLConfig
+from asyncrl.core.types import PromptGroup, SampleStatus, Segment
 from buffers import BufferSettings, ReplayBuffer
 from rollout_server.client import EngineClient
 from rollout_server.episodes import EpisodeRunner
@@ -55,7 +55,7 @@ def server(model_dir):
 
 
 def _worker(buf, url, tokenizer, workflow: str, worker_id="w-agent", **agent_kw) -> RolloutWorker:
-    from asyncrl.rewards import RewardScorer
+    from asyncrl.tasks.rewards import RewardScorer
 
     opts = WorkerOptions(worker_id, temperature=1.0, max_inflight_requests=4, version_poll_seconds=0.1)
     w = RolloutWorker(buf, EngineClient(url), RewardScorer("rollout_worker_rewards:length_reward"), tokenizer, opts)
@@ -273,7 +273,7 @@ async def test_kill9_mid_episode_and_mid_tool_call_resumes_elsewhere_losing_noth
     import sys
     from pathlib import Path
 
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
     tests = Path(__file__).resolve().parent
     config = _write_agent_config(tmp_path / "agent.yaml", redis_url, "agentkill", model_dir)
@@ -535,7 +535,7 @@ async def test_two_trajectories_recorded_replayed_and_trained_apart(budget, redi
     """A solver and a judge in one episode: one record with segments tagged by trajectory; with a budget
     of 3 tokens the calls are parked and replayed across trajectories without regenerating a token; the
     trainer makes one group of solvers and one of judges, each judge prompted by its own ids."""
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from trainer.batch import prepare_batch
 
     async with await ReplayBuffer.open(redis_url, f"ep9-{budget}", _settings(max_budget_tokens=budget)) as buf:

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from asyncrl.config import load_config
+from asyncrl.core.config import load_config
 from trainer.batch import TrainGroup, prepare_batch
 
 

@@ -1,8 +1,8 @@
-"""Cancellation-safe waits (asyncrl.aio): the fix for a worker that never finished shutting down.
+"""Cancellation-safe waits (asyncrl.core.aio): the fix for a worker that never finished shutting down.
 
 The race is deterministic: an event set in the same loop tick as the waiting task is
 cancelled. On Python < 3.12, ``asyncio.wait_for`` loses that cancellation (the first test
-documents it where it still happens); :func:`asyncrl.aio.wait_event` never does.
+documents it where it still happens); :func:`asyncrl.core.aio.wait_event` never does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from asyncrl.aio import cancel_and_wait, wait_event
+from asyncrl.core.aio import cancel_and_wait, wait_event
 
 
 def _poller(event: asyncio.Event, wait) -> asyncio.Task:
@@ -98,7 +98,7 @@ async def test_cancel_and_wait_gives_up_after_its_timeout_and_names_the_task(cap
 
     t = asyncio.create_task(immortal(), name="immortal")
     await asyncio.sleep(0.01)
-    with caplog.at_level("WARNING", logger="asyncrl.aio"):
+    with caplog.at_level("WARNING", logger="asyncrl.core.aio"):
         left = await cancel_and_wait([t], timeout_seconds=0.2, recancel_seconds=0.05)
     assert left == {t} and "immortal" in caplog.text
     alive[0] = False

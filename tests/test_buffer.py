@@ -14,7 +14,7 @@ import sys
 import pytest
 import redis.asyncio as aioredis
 
-from asyncrl.types import GroupState, PromptGroup, SampleStatus, WorkKind
+from asyncrl.core.types import GroupState, PromptGroup, SampleStatus, WorkKind
 from buffers import (
     BadOffset,
     BadRequest,
@@ -124,7 +124,7 @@ async def test_settings_validation_and_from_config():
         BufferSettings(rollout_batch_size=2, train_batch_groups=3)
     with pytest.raises(BadRequest, match="stale_policy"):
         BufferSettings(stale_policy="ignore")
-    from asyncrl.config import AsyncRLConfig
+    from asyncrl.core.config import AsyncRLConfig
 
     cfg = AsyncRLConfig.model_validate({
         "rollout": {"rollout_batch_size": 8, "partial_percent": 0.5, "max_budget": 64, "max_response_len": 256,

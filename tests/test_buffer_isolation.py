@@ -98,7 +98,7 @@ def test_cli_connection_error_hides_the_password(capsys):
 
 @pytest.mark.parametrize("url", ["redis://:pw-secret-1@h:1/0", "redis://role:pw-secret-1@h:1/0"])
 def test_redact_url(url):
-    from asyncrl.secret_values import redact_url, url_without_password
+    from asyncrl.core.secret_values import redact_url, url_without_password
 
     assert "pw-secret-1" not in redact_url(url) and "***" in redact_url(url)
     assert "pw-secret-1" not in url_without_password(url) and url_without_password(url).startswith("redis://")

@@ -19,7 +19,7 @@ import zlib
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from asyncrl.types import SampleStatus, WorkKind
+from asyncrl.core.types import SampleStatus, WorkKind
 from buffers import BufferError, BufferSettings, ReplayBuffer
 
 QUEUES = ("fresh", "resumable", "parked", "unscored", "leases")

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.net import free_port
-from asyncrl.process_guard import alive, read_pids
-from asyncrl.tracking import read_metrics
+from asyncrl.core.net import free_port
+from asyncrl.core.process_guard import alive, read_pids
+from asyncrl.metrics.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -119,7 +119,7 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 async def _books(redis_url: str) -> dict:
-    from asyncrl.feeder import group_id_for
+    from asyncrl.feeder.feeder import group_id_for
     from buffers import ReplayBuffer
     from buffers.errors import UnknownItem
 
@@ -239,7 +239,7 @@ def test_seeded_chaos_run_completes_and_reconciles(tmp_path, tiny_model_dir):
     assert all(b >= a for a, b in zip(clock, clock[1:])), clock
 
     # the books, from the buffer itself (Redis reopened on the run's AOF)
-    from asyncrl.redis_server import RedisServer
+    from asyncrl.controller.redis_server import RedisServer
 
     with RedisServer(run_dir / "redis") as server:
         books = asyncio.run(_books(server.url))

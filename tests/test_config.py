@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.config import AsyncRLConfig, ConfigError, dump_config, load_config, read_yaml
-from asyncrl.config_cli import main as config_main
+from asyncrl.core.config import AsyncRLConfig, ConfigError, dump_config, load_config, read_yaml
+from asyncrl.core.config_cli import main as config_main
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_CONFIGS = sorted((REPO / "configs").glob("*.yaml"))  # top level only: configs/k8s holds manifests
@@ -77,7 +77,7 @@ def test_main_job_config():
     assert cfg.rollout.max_budget < cfg.rollout.max_response_len
     assert cfg.buffer.max_staleness == 2
     # The difficulty of docs/tasks.md: >= 400 distinct held-out problems for the evaluation.
-    from asyncrl.tasks import load_task
+    from asyncrl.tasks.tasks import load_task
 
     held = load_task(cfg.data).heldout(cfg.monitoring.eval_num_problems)
     assert len({p.metadata["problem_hash"] for p in held}) == cfg.monitoring.eval_num_problems >= 400
@@ -121,7 +121,7 @@ def test_headline_flags_as_users_type_them():
 @pytest.mark.parametrize("p", [0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 0.9, 1.0])
 @pytest.mark.parametrize("r", [1, 3, 7, 10, 16, 64])
 def test_config_and_buffer_share_one_train_batch_formula(p, r):
-    from asyncrl.config import train_batch_groups
+    from asyncrl.core.config import train_batch_groups
     from buffers import BufferSettings
 
     b = train_batch_groups(p, r)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import ConfigError, dump_config, load_config
-from asyncrl.controller import ControllerError
-from asyncrl.train import parse_controller_flags, resolve_run
-from asyncrl.resources import assign_resources
-from asyncrl.run_watch import normalize_trainer_record
+from asyncrl.core.config import ConfigError, dump_config, load_config
+from asyncrl.controller.errors import ControllerError
+from asyncrl.controller.train import parse_controller_flags, resolve_run
+from asyncrl.controller.resources import assign_resources
+from asyncrl.controller.run_watch import normalize_trainer_record
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -148,7 +148,7 @@ def _no_children_left(run_dir: str) -> bool:
 def test_role_specs_wire_each_role(tmp_path):
     import socket
 
-    from asyncrl.controller import Controller
+    from asyncrl.controller.controller import Controller
 
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -182,7 +182,7 @@ def test_role_specs_wire_each_role(tmp_path):
 
 
 def test_reconcile_groups_accounts_for_every_fed_group():
-    from asyncrl.run_watch import reconcile_groups
+    from asyncrl.controller.run_watch import reconcile_groups
 
     stats = {"dataset_cursor": 52, "counters": {"committed_groups": 30, "acked_groups": 36},
              "groups_by_state": {"acked": 6, "ready": 8, "pending": 6, "generating": 0}, "dropped_by_reason": {"stale": 2}}
@@ -202,7 +202,7 @@ def _trainer_records(path: Path, steps) -> None:
 
 
 def test_trainer_tail_resumes_where_the_killed_controller_left_off(tmp_path):
-    from asyncrl.run_watch import TrainerTail
+    from asyncrl.controller.run_watch import TrainerTail
 
     records = tmp_path / "metrics" / "trainer.jsonl"
     records.parent.mkdir()
@@ -229,7 +229,7 @@ def test_a_resumed_controller_starts_from_the_trainers_furthest_step(tmp_path):
     """The previous controller was SIGKILLed while its trainer finished the run: run_state.json
     says step 26, the trainer's own records reach 30; the resumed session must report 30 (CI once
     saw "finished" with step 26/30)."""
-    from asyncrl.controller import Controller
+    from asyncrl.controller.controller import Controller
 
     cfg = load_config(["--config", str(TINY), "--output_dir", str(tmp_path), "--total_steps", "30"])
     run_dir = tmp_path / "tiny"

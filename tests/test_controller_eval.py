@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
-from asyncrl.controller import Controller
-from asyncrl.progress import Progress
-from asyncrl.resources import assign_resources
-from asyncrl.supervisor import RoleSpec, Supervisor
-from asyncrl.tracking import MetricsLogger, read_metrics
+from asyncrl.core.config import load_config
+from asyncrl.controller.controller import Controller
+from asyncrl.controller.progress import Progress
+from asyncrl.controller.resources import assign_resources
+from asyncrl.controller.supervisor import RoleSpec, Supervisor
+from asyncrl.metrics.tracking import MetricsLogger, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_eval_pauses_roles_and_is_excluded_from_wall_time(tmp_path, tiny_model_d
 
 TRAINER_PHASE = """
 import json, sys, time
-from asyncrl.tracking import RunClock
+from asyncrl.metrics.tracking import RunClock
 from trainer.loop import PhaseTimer
 
 run_dir, out = sys.argv[1], sys.argv[2]
@@ -142,7 +142,7 @@ def test_eval_modes_select_the_decoding_modes(tmp_path, tiny_model_dir):
 def test_eval_modes_are_validated():
     from pydantic import ValidationError
 
-    from asyncrl.config import MonitoringConfig
+    from asyncrl.core.config import MonitoringConfig
 
     for bad in ([], ["beam"]):
         with pytest.raises(ValidationError, match="eval_modes"):

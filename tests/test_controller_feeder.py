@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from asyncrl.config import load_config
-from asyncrl.feeder import Feeder, FeederError, group_id_for
-from asyncrl.tasks import TrainPromptStream
+from asyncrl.core.config import load_config
+from asyncrl.feeder.feeder import Feeder, FeederError, group_id_for
+from asyncrl.tasks.tasks import TrainPromptStream
 from buffers import BufferSettings, ReplayBuffer
 
 pytestmark = pytest.mark.integration

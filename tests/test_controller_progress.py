@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from asyncrl.progress import Progress
+from asyncrl.controller.progress import Progress
 
 TRAINER = {"step": 3, "wall_seconds": 65.0, "role": "trainer", "reward/mean": 0.4, "staleness/max": 1,
            "time/forward_backward_seconds": 1.5, "time/wait_batch_seconds": 0.25, "idle_ratio/trainer": 0.2}
@@ -75,8 +75,8 @@ async def test_rollout_tokens_per_second_spans_the_bursts_between_trainer_steps(
     """The main job's pattern: a burst right after a publish, then the staleness bound blocks the
     rollout for the rest of a 40-second trainer step; the progress line prints when the step
     ends. A 10-second window read 0.0 there, every time; the rate over whole steps does not."""
-    from asyncrl.run_watch import BufferWatcher
-    from asyncrl.feeder import group_id_for
+    from asyncrl.controller.run_watch import BufferWatcher
+    from asyncrl.feeder.feeder import group_id_for
     from buffers import BufferSettings, ReplayBuffer
 
     buf = await ReplayBuffer.open(redis_url, "tps", BufferSettings(
@@ -120,7 +120,7 @@ async def test_rollout_tokens_per_second_spans_the_bursts_between_trainer_steps(
 
 
 def test_rate_window_edges():
-    from asyncrl.run_watch import RateWindow
+    from asyncrl.controller.run_watch import RateWindow
 
     w = RateWindow(min_seconds=10.0, min_steps=1, max_seconds=30.0)
     assert w.add(0.0, 0, 0) is None and w.add(0.0, 5, 0) is None  # no time elapsed

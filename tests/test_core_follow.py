@@ -1,4 +1,4 @@
-"""``resources.core_sharing: follow`` (asyncrl/core_follow.py): the trainer holds an idle flag
+"""``resources.core_sharing: follow`` (asyncrl/core/core_follow.py): the trainer holds an idle flag
 while it waits for a batch, and a rollout engine runs with the trainer's threads too while the
 flag exists. Tested with the real pieces: the controller's assignment and role environments,
 the trainer's loop on a tiny model, and the embedded engine generating with the flag set."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
-from asyncrl.core_follow import (
+from asyncrl.core.config import load_config
+from asyncrl.core.core_follow import (
     FLAG_ENV,
     WIDE_ENV,
     IdleFlag,
@@ -21,7 +21,7 @@ from asyncrl.core_follow import (
     follower_from_env,
     idle_flag_from_env,
 )
-from asyncrl.resources import assign_resources
+from asyncrl.controller.resources import assign_resources
 from tests.test_trainer import make_cfg, make_groups, tiny_model  # noqa: F401  (module fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def test_from_env_reads_the_controller_variables_and_refuses_a_bad_count(tmp_pat
 
 
 def test_follow_assignment_keeps_split_threads_on_every_core_and_wires_the_roles(tmp_path):
-    from asyncrl.controller import Controller
+    from asyncrl.controller.controller import Controller
 
     cfg = load_config(["--config", str(TINY), "--output_dir", str(tmp_path), "--resources.core_sharing", "follow"])
     a = assign_resources(cfg, available=[0, 1])
@@ -124,7 +124,8 @@ def test_the_engine_generates_with_the_wide_threads_while_the_flag_exists(tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout_server.engine import Engine, EngineGroup, EngineSample
+    from rollout_server.engine import Engine
+    from rollout_server.engine_sample import EngineGroup, EngineSample
     from rollout_server.sampling import SamplingParams
 
     flag = tmp_path / "trainer.idle"

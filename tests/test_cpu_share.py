@@ -1,4 +1,4 @@
-"""Per-role CPU share (asyncrl/cpu_share.py) measured on real processes."""
+"""Per-role CPU share (asyncrl/controller/cpu_share.py) measured on real processes."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from asyncrl.cpu_share import CpuShareSampler
+from asyncrl.controller.cpu_share import CpuShareSampler
 
 BUSY = "import time\nt = time.process_time()\nwhile time.process_time() - t < 30: pass\n"
 # a parent that sleeps while its child spins: the share must count the descendant

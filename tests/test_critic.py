@@ -240,7 +240,7 @@ def test_reference_follows_the_actor_by_ema_and_is_checkpointed(tmp_path, tiny_m
     ({"trainer": {"advantage": "gae", "gae": {"gae_lambda": 1.5}}}, "gae_lambda"),
 ])
 def test_config_rejects_inconsistent_critic_settings(overrides, match):
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.core.config import ConfigError, load_config
 
     with pytest.raises((ConfigError, ValueError), match=match):
         load_config([], overrides=overrides)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.net import free_port
-from asyncrl.tracking import read_metrics
+from asyncrl.core.net import free_port
+from asyncrl.metrics.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -179,7 +179,7 @@ def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tin
         # after the first checkpoint (step 3); a trainer killed before its first checkpoint is
         # covered by tests/test_trainer_restart.py
         _wait(lambda: _trainer_step(run_dir) >= 4, proc, 300, "step 4")
-        [redis_pid] = _redis_servers(proc.pid)  # under its guardian (asyncrl.process_guard)
+        [redis_pid] = _redis_servers(proc.pid)  # under its guardian (asyncrl.core.process_guard)
         os.kill(redis_pid, signal.SIGKILL)  # the controller restarts it on its AOF, same port and password
         # restarted: a new redis-server (the killed one may linger a moment as a zombie, so a bare
         # "some redis-server exists" passed before the restart, and the controller was then killed
@@ -214,7 +214,7 @@ def test_killed_redis_is_restarted_and_a_killed_controller_resumes(tmp_path, tin
     steps = [r["step"] for r in read_metrics(run_dir) if r["role"] == "trainer"]
     # Every step was trained (run_state above says step 10, finished), and every step record reached
     # the run's metrics: the records the trainer wrote after the killed controller's last read
-    # (its drain included) are forwarded by the resumed one (asyncrl.run_watch.TrainerTail.resume)
+    # (its drain included) are forwarded by the resumed one (asyncrl.controller.run_watch.TrainerTail.resume)
     assert steps[-1] == 10 and set(steps) == set(range(1, 11)), steps
     starts = [int(c) for c in
               __import__("re").findall(r"from cursor (\d+)", (run_dir / "logs" / "feeder.log").read_text())]

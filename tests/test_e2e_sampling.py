@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.net import free_port
-from asyncrl.tracking import read_metrics
+from asyncrl.core.net import free_port
+from asyncrl.metrics.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from asyncrl.config import ArithmeticConfig, DataConfig
-from asyncrl.evaluate import evaluate, evaluate_problems, main, wilson_interval
-from asyncrl.tasks import Problem, load_task
+from asyncrl.core.config import ArithmeticConfig, DataConfig
+from asyncrl.evaluation.cli import main
+from asyncrl.evaluation.evaluate import evaluate, evaluate_problems, wilson_interval
+from asyncrl.tasks.tasks import Problem, load_task
 
 
 def test_wilson_interval_known_values():
@@ -64,7 +65,7 @@ def test_evaluate_problems_greedy_and_sampled(tiny):
 
 def test_scoring_counts_correct_answers(tiny):
     """Golds set to what the model answered: the counts match check_answer on the same responses."""
-    from asyncrl.rewards import check_answer
+    from asyncrl.tasks.rewards import check_answer
 
     model, tok = tiny
     base = load_task(DataConfig()).heldout(8)
@@ -82,7 +83,7 @@ def test_scoring_counts_correct_answers(tiny):
 
 def test_response_prefix_is_prompted_and_checked(tiny):
     """With a prefill, the prompt ends with it and the answer is checked on prefix + generation."""
-    from asyncrl.rewards import check_answer
+    from asyncrl.tasks.rewards import check_answer
 
     model, tok = tiny
     problems = load_task(DataConfig()).heldout(4)

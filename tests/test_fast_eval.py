@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import DataConfig
-from asyncrl.evaluate import EvalError, _generate_engine, _generate_hf, _stop_token_ids, evaluate_problems, main
-from asyncrl.tasks import load_task, render_prompt
+from asyncrl.core.config import DataConfig
+from asyncrl.evaluation.cli import main
+from asyncrl.evaluation.evaluate import EvalError, _generate_engine, _generate_hf, _stop_token_ids, evaluate_problems
+from asyncrl.tasks.tasks import load_task, render_prompt
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +181,7 @@ def test_cli_hf_and_engine_report_the_same_greedy_accuracy(sharp, capsys):
 
 
 def test_run_clock_pause_intervals(tmp_path):
-    from asyncrl.tracking import RunClock
+    from asyncrl.metrics.tracking import RunClock
 
     writer = RunClock.start(tmp_path)
     reader = RunClock(tmp_path)  # another process's view, through clock.json
@@ -204,7 +205,7 @@ def test_run_clock_pause_intervals(tmp_path):
 
 PHASE_CHILD = """
 import json, sys, time
-from asyncrl.tracking import RunClock
+from asyncrl.metrics.tracking import RunClock
 from trainer.loop import PhaseTimer
 
 timer = PhaseTimer(None, RunClock(sys.argv[1]))
@@ -223,8 +224,8 @@ def test_phase_timer_subtracts_a_real_sigstop(tmp_path):
     import sys
     import time
 
-    from asyncrl.controller import resume_roles
-    from asyncrl.tracking import RunClock
+    from asyncrl.controller.controller import resume_roles
+    from asyncrl.metrics.tracking import RunClock
 
     clock = RunClock.start(tmp_path)
     child = subprocess.Popen([sys.executable, "-c", PHASE_CHILD, str(tmp_path)], stdin=subprocess.PIPE,

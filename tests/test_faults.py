@@ -29,8 +29,8 @@ import time
 
 import pytest
 
-from asyncrl.outage import DependencyOutage, OutageGuard
-from asyncrl.redis_server import RedisServer
+from asyncrl.core.outage import DependencyOutage, OutageGuard
+from asyncrl.controller.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +99,7 @@ def test_outage_guard_rejects_a_non_positive_deadline():
 
 @pytest.fixture
 def feed_cfg(tiny_model_dir):
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
     return load_config(["--model_path", str(tiny_model_dir), "--rollout_batch_size", "3",
                         "--n_samples_per_prompt", "2", "--run_name", "faults",
@@ -108,9 +108,9 @@ def feed_cfg(tiny_model_dir):
 
 async def test_feeder_rides_out_a_redis_restart(feed_cfg, redis_server, tiny_model_dir):
     """Before: the feeder died with ConnectionError at every Redis restart (and used up a restart)."""
-    from asyncrl.feeder import Feeder
+    from asyncrl.feeder.feeder import Feeder
     from asyncrl.models import load_tokenizer
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
     from buffers import BufferSettings, ReplayBuffer
 
     buf = await ReplayBuffer.open(redis_server.url, run="faults", settings=BufferSettings.from_config(feed_cfg))
@@ -147,8 +147,8 @@ async def test_a_rollout_worker_logs_one_warning_per_redis_outage(redis_server, 
     """Before: one WARNING per in-flight sample (and one per second of failed claims) at every
     Redis restart. Now: one line when the outage begins, one with the count when it ends."""
     from asyncrl.models import load_tokenizer
-    from asyncrl.rewards import RewardScorer
-    from asyncrl.types import PromptGroup
+    from asyncrl.tasks.rewards import RewardScorer
+    from asyncrl.core.types import PromptGroup
     from buffers import BufferSettings, ReplayBuffer
     from rollout_server.client import EngineClient
     from rollout_server.testing import start_embedded_server
@@ -269,7 +269,7 @@ def test_a_stop_checkpoint_is_written_without_an_unreachable_redis(feed_cfg, red
     from trainer.sources import BufferBatchSource
     from trainer.trainer import Trainer
 
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
     cfg = load_config(["--model_path", feed_cfg.model.path, "--run_name", "faults", "--output_dir", str(tmp_path)])
     trainer = Trainer(cfg)
@@ -302,7 +302,7 @@ def test_a_stop_checkpoint_is_written_without_an_unreachable_redis(feed_cfg, red
 
 def test_failures_during_a_redis_restart_do_not_use_up_restarts(tmp_path):
     """Before: each Redis restart cost every role one restart, so a second fault stopped the run."""
-    from asyncrl.supervisor import RoleSpec, Supervisor
+    from asyncrl.controller.supervisor import RoleSpec, Supervisor
 
     with Supervisor(tmp_path / "logs") as sup:
         sup.start(RoleSpec("flaky", [sys.executable, "-c", "import sys; sys.exit(1)"], restart=True, max_restarts=1,
@@ -327,7 +327,7 @@ def test_failures_during_a_redis_restart_do_not_use_up_restarts(tmp_path):
 
 def test_a_signal_death_during_an_outage_still_counts(tmp_path):
     """A SIGKILLed (or OOM-killed) role crashed on its own, outage or not."""
-    from asyncrl.supervisor import RoleSpec, Supervisor
+    from asyncrl.controller.supervisor import RoleSpec, Supervisor
 
     with Supervisor(tmp_path / "logs") as sup:
         sup.start(RoleSpec("killed", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
@@ -342,7 +342,7 @@ def test_a_signal_death_during_an_outage_still_counts(tmp_path):
 
 
 def test_a_fatal_exit_stays_fatal_during_an_outage(tmp_path):
-    from asyncrl.supervisor import RoleSpec, Supervisor
+    from asyncrl.controller.supervisor import RoleSpec, Supervisor
 
     with Supervisor(tmp_path / "logs") as sup:
         sup.start(RoleSpec("bad", [sys.executable, "-c", "import sys; sys.exit(2)"], restart=True,
@@ -363,7 +363,7 @@ def test_a_fatal_exit_stays_fatal_during_an_outage(tmp_path):
 def test_a_port_in_time_wait_is_not_busy():
     """Before: a resumed run reported its own previous rollout port (connections in TIME_WAIT) as
     busy and moved its servers to other ports."""
-    from asyncrl.net import ports_free
+    from asyncrl.core.net import ports_free
 
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -442,7 +442,7 @@ async def test_a_dropped_stream_is_one_info_line_not_an_error_traceback(caplog):
 
 
 def _alive(pid: int) -> bool:
-    from asyncrl.process_guard import alive
+    from asyncrl.core.process_guard import alive
 
     return alive(pid)
 
@@ -459,7 +459,7 @@ def _wait(pred, timeout: float, what: str) -> None:
 def test_redis_guardian_outlives_a_dead_controller_until_the_roles_exit(tmp_path):
     """Before: redis-server died with the controller (PDEATHSIG), so the draining trainer could not
     acknowledge or commit its last step and trained it again after --resume."""
-    from asyncrl.process_guard import guarded_command, write_pids
+    from asyncrl.core.process_guard import guarded_command, write_pids
 
     pids_file = tmp_path / "pids.json"
     role = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -488,7 +488,7 @@ def test_redis_guardian_outlives_a_dead_controller_until_the_roles_exit(tmp_path
 
 
 def test_guardian_passes_on_its_childs_death(tmp_path):
-    from asyncrl.process_guard import guarded_command
+    from asyncrl.core.process_guard import guarded_command
 
     proc = subprocess.run(guarded_command([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "none.json", 5),
                           timeout=30)
@@ -496,7 +496,7 @@ def test_guardian_passes_on_its_childs_death(tmp_path):
 
 
 def test_resume_waits_for_the_previous_sessions_processes(tmp_path):
-    from asyncrl.process_guard import wait_previous_session, write_pids
+    from asyncrl.core.process_guard import wait_previous_session, write_pids
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -529,7 +529,7 @@ def test_a_rollout_server_started_while_redis_is_down_waits_for_it(tmp_path, tin
     started, and its supervisor counted a crash."""
     import yaml
 
-    from asyncrl.net import free_port
+    from asyncrl.core.net import free_port
 
     port = free_port()
     password = "p" * 16
@@ -566,8 +566,8 @@ def test_a_rollout_server_started_while_redis_is_down_waits_for_it(tmp_path, tin
 
 def test_a_held_out_evaluation_past_its_deadline_is_killed_and_training_goes_on(tmp_path, tiny_model_dir, capsys):
     """Before: the controller waited for ``asyncrl eval`` without a bound, every role paused."""
-    from asyncrl.resources import assign_resources
-    from asyncrl.tracking import read_metrics
+    from asyncrl.controller.resources import assign_resources
+    from asyncrl.metrics.tracking import read_metrics
     from tests.test_controller_eval import _controller
 
     ctl = _controller(tmp_path, tiny_model_dir)

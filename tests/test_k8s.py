@@ -313,9 +313,9 @@ def test_references_resolve(rendered):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_run_config_loads_and_matches_the_manifests(overlay, tmp_path):
     """The ConfigMap's YAML is a valid asyncrl config, and its ports/URLs match the objects."""
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
-    from asyncrl.config import _known_dotted_fields
+    from asyncrl.core.config import _known_dotted_fields
 
     objs = render(K8S / overlay)
     text = _by(objs, "ConfigMap", "asyncrl-config")["data"]["train.yaml"]
@@ -428,7 +428,7 @@ def test_reward_model_manifest(overlay, tmp_path):
     """The reward-model Deployment and Service render in both overlays, off by default (the run
     config keeps rule-based rewards); the enabling lines its manifest gives make a config whose
     rollout servers reach the Service, and the pod serves on the ports the objects name."""
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
     objs = render(K8S / overlay)
     dep = _by(objs, "Deployment", "asyncrl-reward-model")
@@ -455,7 +455,7 @@ def test_reward_model_manifest(overlay, tmp_path):
     assert pod["terminationGracePeriodSeconds"] > rm_cfg.reward.model.drain_timeout_seconds
     for var in _pod_environ(c):
         if var.startswith("ASYNCRL_"):
-            from asyncrl.config import _known_dotted_fields
+            from asyncrl.core.config import _known_dotted_fields
 
             assert var[len("ASYNCRL_"):].lower().replace("__", ".") in _known_dotted_fields(), var
     gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")

@@ -2,8 +2,8 @@
 
 The script the Redis pod runs is executed with a real redis-server >= 7.0 (the image is
 ``redis:7.2``): it must write the users with hashed passwords only (0600), keep every password
-off command lines, and give each role exactly the ACL of ``asyncrl.redis_acl``; the rules file
-shipped in the ConfigMap must be the one ``python -m asyncrl.redis_acl`` generates.
+off command lines, and give each role exactly the ACL of ``asyncrl.controller.redis_acl``; the rules file
+shipped in the ConfigMap must be the one ``python -m asyncrl.controller.redis_acl`` generates.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError
 
-from asyncrl.net import free_port
-from asyncrl.redis_acl import ROLES, k8s_rules_text
-from asyncrl.redis_server import _redis_version, find_redis_binary
+from asyncrl.core.net import free_port
+from asyncrl.controller.redis_acl import ROLES, k8s_rules_text
+from asyncrl.controller.redis_server import _redis_version, find_redis_binary
 
 BASE = Path(__file__).resolve().parent.parent / "configs" / "k8s" / "base"
 PASSWORDS = {"REDIS_PASSWORD": "admin-pw-k8s-0123456789", **{f"REDIS_{r.upper()}_PASSWORD": f"{r}-pw-k8s-0123456789" for r in ROLES}}
@@ -28,7 +28,7 @@ PASSWORDS = {"REDIS_PASSWORD": "admin-pw-k8s-0123456789", **{f"REDIS_{r.upper()}
 
 def test_rules_file_is_generated_from_asyncrl():
     assert (BASE / "redis-acl.rules").read_text() == k8s_rules_text(), \
-        "regenerate: python -m asyncrl.redis_acl > configs/k8s/base/redis-acl.rules"
+        "regenerate: python -m asyncrl.controller.redis_acl > configs/k8s/base/redis-acl.rules"
 
 
 def _start(tmp_path, env_extra):

@@ -240,7 +240,7 @@ def test_redis_probe_keeps_the_password_off_its_argv():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_http_weight_transport_binds_the_pod_ip(overlay, tmp_path):
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from tests.test_k8s import _pod_environ
 
     objs = render(K8S / overlay)

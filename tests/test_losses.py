@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import load_config
+from asyncrl.core.config import load_config
 from trainer.batch import BatchError, prepare_batch
 from trainer.losses import (
     LossInputs,

@@ -58,7 +58,7 @@ def test_checkpoints_are_timed_and_a_failed_write_is_counted(tmp_path, tiny_mode
 
 
 def test_batch_former_observes_the_staleness_of_every_sample():
-    from asyncrl.types import Batch, BatchGroup, PromptGroup, Sample
+    from asyncrl.core.types import Batch, BatchGroup, PromptGroup, Sample
     from trainer.sources import BufferBatchSource
 
     reg = CollectorRegistry()
@@ -83,8 +83,8 @@ def test_batch_former_observes_the_staleness_of_every_sample():
 
 
 def test_controller_exports_buffer_counters_by_their_increase():
-    from asyncrl.config import load_config
-    from asyncrl.run_watch import PrometheusExport
+    from asyncrl.core.config import load_config
+    from asyncrl.controller.run_watch import PrometheusExport
 
     cfg = load_config([], overrides={"monitoring": {"controller_metrics_port": 0}})
     export = PrometheusExport(cfg)

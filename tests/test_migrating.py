@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import AsyncRLConfig, load_config
+from asyncrl.core.config import AsyncRLConfig, load_config
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "migrating.md"
 SECTIONS = ("run", "model", "data", "reward", "rollout", "buffer", "trainer", "weight_sync", "monitoring", "security", "resources")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.core.config import ConfigError, load_config
 from asyncrl.models import (
     KNOWN_MODELS,
     CorruptModelError,

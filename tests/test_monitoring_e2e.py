@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.net import free_port
+from asyncrl.core.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"

@@ -168,9 +168,9 @@ def test_run_seed_varies_sampling_while_data_seed_fixes_the_prompts(tiny_model_d
     sample differently; ``data.seed`` is what changes the prompts."""
     import torch
 
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from asyncrl.models import load_tokenizer
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
     from rollout_server.engine import Engine
 
     tok = load_tokenizer(tiny_model_dir)
@@ -190,7 +190,7 @@ def test_run_seed_varies_sampling_while_data_seed_fixes_the_prompts(tiny_model_d
 
     from transformers import AutoModelForCausalLM
 
-    from rollout_server.engine import EngineGroup, EngineSample
+    from rollout_server.engine_sample import EngineGroup, EngineSample
     from rollout_server.sampling import SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

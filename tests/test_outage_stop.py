@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from asyncrl.process_guard import alive
+from asyncrl.core.process_guard import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -55,7 +55,7 @@ asyncio.run(main())
 
 CONTROLLER = r"""
 import subprocess, sys, time
-from asyncrl.process_guard import pdeathsig_preexec
+from asyncrl.core.process_guard import pdeathsig_preexec
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], stdout=sys.stdout,
                          stderr=open(sys.argv[4], "w"), preexec_fn=pdeathsig_preexec())
 print(child.pid, flush=True)

@@ -242,8 +242,8 @@ def test_controller_creates_run_files_owner_only(tmp_path):
     code = (
         "import os, sys; from pathlib import Path\n"
         "os.umask(0o022)\n"
-        "from asyncrl.config import load_config\n"
-        "from asyncrl.controller import Controller\n"
+        "from asyncrl.core.config import load_config\n"
+        "from asyncrl.controller.controller import Controller\n"
         "cfg = load_config(['--run.output_dir', sys.argv[1], '--run.name', 'umask'], environ={})\n"
         "c = Controller(cfg, False)\n"
         "c._prepare_run_dir()\n"

@@ -1,7 +1,7 @@
 """AReaL's pass-rate dataset filter: the rule, and the feeder keeping solved prompts out across a resume.
 
 Real redis-server (killed with SIGKILL and restarted from its AOF for the resume), the tiny
-model's tokenizer, the real :class:`asyncrl.feeder.Feeder` and :class:`asyncrl.tasks.TrainPromptStream`;
+model's tokenizer, the real :class:`asyncrl.feeder.feeder.Feeder` and :class:`asyncrl.tasks.tasks.TrainPromptStream`;
 samples are generated and scored through the buffer API with rewards chosen per train problem.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import load_config
-from asyncrl.feeder import Feeder, group_id_for
-from asyncrl.prompt_filter import PassRateFilter, select_filtered
-from asyncrl.tasks import TrainPromptStream
+from asyncrl.core.config import load_config
+from asyncrl.feeder.feeder import Feeder, group_id_for
+from asyncrl.feeder.prompt_filter import PassRateFilter, select_filtered
+from asyncrl.tasks.tasks import TrainPromptStream
 from buffers import BufferSettings, ReplayBuffer
 
 N = 6  # train prompts per epoch

@@ -13,8 +13,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from asyncrl.redis_acl import ROLES, acl_file_text, acl_rules
-from asyncrl.redis_server import RedisServer, _redis_version, find_redis_binary
+from asyncrl.controller.redis_acl import ROLES, acl_file_text, acl_rules
+from asyncrl.controller.redis_server import RedisServer, _redis_version, find_redis_binary
 from buffers import NotPermitted, ReplayBuffer, UnknownItem
 from test_buffer import feed, gen, settings
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from asyncrl.net import free_port
-from asyncrl.redis_server import RedisServer, RedisServerError, find_redis_binary
+from asyncrl.core.net import free_port
+from asyncrl.controller.redis_server import RedisServer, RedisServerError, find_redis_binary
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from asyncrl.config import dump_config, load_config
-from asyncrl.report import load_run, main, series, summarize, time_to_reach
-from asyncrl.tracking import MetricsLogger
+from asyncrl.core.config import dump_config, load_config
+from asyncrl.metrics.report import load_run, main, series, summarize, time_to_reach
+from asyncrl.metrics.tracking import MetricsLogger
 
 
 def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1.0, critic: bool = False,

@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncrl.config import ConfigError, load_config
-from asyncrl.net import free_port
+from asyncrl.core.config import ConfigError, load_config
+from asyncrl.core.net import free_port
 from asyncrl.reward_model import RewardModelClient, RewardModelError, scale_score
-from asyncrl.rewards import RewardScorer
-from asyncrl.types import PromptGroup, SampleStatus
+from asyncrl.tasks.rewards import RewardScorer
+from asyncrl.core.types import PromptGroup, SampleStatus
 from buffers import BufferSettings, ReplayBuffer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -487,8 +487,8 @@ async def test_worker_fails_samples_when_the_reward_model_is_down(redis_url, eng
 
 
 def test_train_launches_the_reward_model_role_and_tells_every_role_its_port(tmp_path):
-    from asyncrl.resources import assign_resources
-    from asyncrl.roles import child_env, role_specs
+    from asyncrl.controller.resources import assign_resources
+    from asyncrl.controller.roles import child_env, role_specs
 
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -535,7 +535,7 @@ def test_asyncrl_train_with_the_reward_model(tmp_path, tiny_model_dir, tiny_rewa
     """``asyncrl train`` on the tiny config with ``reward.model.path``: the controller launches and
     supervises the reward-model process, the rollout workers score with it (rewards are the model's
     scaled scores, not the rule reward's zeros), and the run stops it cleanly (drained, exit 0)."""
-    from asyncrl.tracking import read_metrics
+    from asyncrl.metrics.tracking import read_metrics
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["OMP_NUM_THREADS"] = "1"

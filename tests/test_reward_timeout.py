@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-import asyncrl.rewards as rewards
-from asyncrl.config import DataConfig
-from asyncrl.rewards import RewardError, RewardScorer
-from asyncrl.types import PromptGroup, SampleStatus
+import asyncrl.tasks.rewards as rewards
+from asyncrl.core.config import DataConfig
+from asyncrl.tasks.rewards import RewardError, RewardScorer
+from asyncrl.core.types import PromptGroup, SampleStatus
 from buffers import BufferSettings, ReplayBuffer
 
 META = {"task": "arithmetic", "gold": "7", "problem_hash": "0"}

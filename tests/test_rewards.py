@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-import asyncrl.rewards as rewards
-from asyncrl.config import DataConfig
-from asyncrl.rewards import (
+import asyncrl.tasks.rewards as rewards
+from asyncrl.core.config import DataConfig
+from asyncrl.tasks.rewards import (
     RewardError,
     RewardScorer,
     VerifierStatusError,
@@ -230,7 +230,7 @@ def test_reward_spec_errors(user_module, spec, match):
 def test_load_builtins_and_from_config():
     assert load_reward_fn("math_verify") is math_verify_reward
     assert load_reward_fn("format") is format_reward
-    assert load_reward_fn("asyncrl.rewards:format_reward") is format_reward
+    assert load_reward_fn("asyncrl.tasks.rewards:format_reward") is format_reward
     s = RewardScorer.from_config(DataConfig(reward="format", format_reward_weight=0.25))
     assert s.fn is format_reward and s.format_reward_weight == 0.25
 

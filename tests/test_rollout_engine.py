@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from asyncrl.net import free_port
-from asyncrl.weights import DistributedWeightSender, load_state_dict_from_dir
+from asyncrl.core.net import free_port
+from asyncrl.core.weights import DistributedWeightSender, load_state_dict_from_dir
 from rollout_server.client import EngineClient
 from rollout_server.testing import (
     greedy_reference,

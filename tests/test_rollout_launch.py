@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from asyncrl.config import load_config
-from asyncrl.net import free_port
+from asyncrl.core.config import load_config
+from asyncrl.core.net import free_port
 from rollout_server.client import EngineClient, EngineError, EngineUnavailable
 from rollout_server.launch import engine_command, launch_servers, stop_servers
 from rollout_server.sglang import SGLANG_DOCUMENTED_FLAGS, sglang_available, sglang_command
@@ -134,7 +134,7 @@ async def test_real_sglang_server(tiny_model_dir, tmp_path):
     weight-update choreography from this process (rank 0)."""
     import torch
 
-    from asyncrl.weights import DistributedWeightSender, load_state_dict_from_dir
+    from asyncrl.core.weights import DistributedWeightSender, load_state_dict_from_dir
 
     cfg = load_config(overrides={"rollout": {"engine": "sglang", "base_port": 0, "sglang_mem_fraction_static": 0.3}})
     handles = await launch_servers(cfg, model_path=str(tiny_model_dir), weight_version=0, log_dir=tmp_path,

@@ -28,7 +28,7 @@ import aiohttp
 import psutil
 import pytest
 
-from asyncrl.net import free_port
+from asyncrl.core.net import free_port
 from rollout_server.testing import ServerProcess, make_random_model, start_embedded_server
 
 pytestmark = pytest.mark.integration
@@ -325,7 +325,7 @@ def test_gloo_listens_on_server_host_and_update_works(model_dir, tmp_path):
     """The server on 127.0.0.2 (the machine's hostname resolves elsewhere): its gloo listener must too."""
     import torch
 
-    from asyncrl.weights import DistributedWeightSender
+    from asyncrl.core.weights import DistributedWeightSender
 
     srv = _start(model_dir, "127.0.0.2", log_path=tmp_path / "s.log")
     try:
@@ -355,7 +355,7 @@ def test_config_limit_fields_reach_the_server_flags():
     """Every ``rollout.engine_*`` limit the config sets becomes the launched server's flag, the
     per-request cost bound and the fair reserve included (a config field without its flag would be
     silently ignored)."""
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
     from rollout_server.limits import limit_flags
 
     cfg = load_config(["--rollout.engine_max_request_cost", "5000", "--rollout.engine_fair_reserve_rows", "3"], environ={})

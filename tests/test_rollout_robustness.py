@@ -30,9 +30,10 @@ import time
 
 import pytest
 
-from asyncrl.net import free_port
+from asyncrl.core.net import free_port
 from rollout_server.client import EngineClient, EngineError
-from rollout_server.engine import Engine, EngineGroup, EngineSample
+from rollout_server.engine import Engine
+from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.sampling import SamplingParams
 from rollout_server.testing import greedy_reference, make_random_model
 

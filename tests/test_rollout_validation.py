@@ -26,7 +26,8 @@ import aiohttp
 import pytest
 
 from rollout_server.client import EngineClient
-from rollout_server.engine import Engine, EngineGroup, EngineSample
+from rollout_server.engine import Engine
+from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.sampling import SamplingParams
 from rollout_server.testing import greedy_reference, make_random_model, start_embedded_server
 

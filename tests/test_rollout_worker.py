@@ -2,7 +2,7 @@
 
 Real HTTP to embedded engine processes (the tiny random model, fp32), a real redis-server
 (fixture ``redis_url``), real weight files written the way the trainer publishes them
-(:func:`asyncrl.weights.write_weights` + the version clock). Kill -9 and SIGTERM run the
+(:func:`asyncrl.core.weights.write_weights` + the version clock). Kill -9 and SIGTERM run the
 ``asyncrl rollout-server`` CLI as separate processes.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.types import PromptGroup, SampleStatus
+from asyncrl.core.types import PromptGroup, SampleStatus
 from buffers import BufferSettings, ReplayBuffer
 from rollout_server.client import EngineClient
 from rollout_server.testing import make_random_model, recompute_logprobs, start_embedded_server
@@ -47,7 +47,7 @@ async def _feed(buf: ReplayBuffer, groups: list[PromptGroup]) -> None:
 
 
 def _worker(buf, url, tokenizer, worker_id, **kw) -> RolloutWorker:
-    from asyncrl.rewards import RewardScorer
+    from asyncrl.tasks.rewards import RewardScorer
 
     opts = WorkerOptions(worker_id, temperature=TEMPERATURE, max_inflight_requests=kw.pop("inflight", 8),
                          version_poll_seconds=0.1, **kw)
@@ -111,7 +111,7 @@ def server_b(models):
 def _publish_weights(weights_dir: Path, version: int, model_dir: Path) -> tuple[Path, str]:
     """Write ``model_dir``'s weights as policy ``version`` exactly as the trainer publishes them."""
     from safetensors.torch import load_file
-    from asyncrl.weights import write_weights
+    from asyncrl.core.weights import write_weights
 
     state = load_file(str(model_dir / "model.safetensors"))
     config = json.loads((model_dir / "config.json").read_text())
@@ -269,7 +269,7 @@ async def test_http_transport_rejects_a_bad_checksum_then_loads_the_next_version
     """weight_sync.transport=http: a version whose announced checksum does not match is not
     loaded (counted, engine keeps its weights, generation goes on); the next good version is
     downloaded, verified and loaded, and new tokens carry it."""
-    from asyncrl.weights import WeightFileServer
+    from asyncrl.core.weights import WeightFileServer
 
     weights = tmp_path / "weights"
     _publish_weights(weights, 1, models["dir1"])
@@ -425,7 +425,7 @@ async def _wait_log(proc: subprocess.Popen, log: Path, needle: str, timeout_seco
 
 
 async def _settings_of(config: Path) -> BufferSettings:
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
     return BufferSettings.from_config(load_config(["--config", str(config)]))
 

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from asyncrl.config import load_config
-from asyncrl.types import GroupState, SampleStatus, WorkKind
+from asyncrl.core.config import load_config
+from asyncrl.core.types import GroupState, SampleStatus, WorkKind
 from buffers import BadRequest, BufferSettings, ReplayBuffer
 
 pytestmark = pytest.mark.integration
@@ -212,7 +212,7 @@ def test_settings_and_config_reject_inconsistent_sampling_options(tmp_path):
 async def test_zero_variance_share_reaches_the_step_records_and_prometheus(redis_url):
     """The controller's BufferWatcher (JSONL step records) and PrometheusExport report the share."""
     from asyncrl.metrics import exposition, stop_metrics_server
-    from asyncrl.run_watch import BufferWatcher, PrometheusExport
+    from asyncrl.controller.run_watch import BufferWatcher, PrometheusExport
 
     rewards = {"g0": (1.0, 1.0, 0.0), "g1": (0.0, 1.0, 0.0), "g2": (0.0, 0.0, 1.0), "g3": (1.0, 0.0, 0.0)}
     settings = _settings(rollout_batch_size=4, n_samples_per_prompt=2, generation_size=3, max_staleness=3,
@@ -241,7 +241,7 @@ async def test_zero_variance_share_reaches_the_step_records_and_prometheus(redis
 
 
 def test_controller_reconciliation_counts_skipped_prompts_and_discards():
-    from asyncrl.run_watch import reconcile_groups
+    from asyncrl.controller.run_watch import reconcile_groups
 
     stats = {"dataset_cursor": 20, "counters": {"committed_groups": 9, "skipped_prompts:pass_rate_filter": 4,
                                                 "discarded_best_of_n": 18},

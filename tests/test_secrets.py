@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import dump_config, load_config
-from asyncrl.net import free_port
+from asyncrl.core.config import dump_config, load_config
+from asyncrl.core.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"
@@ -58,7 +58,7 @@ def test_secret_values_are_never_coerced_and_flags_warn():
 
 
 def test_write_private_and_private_dir(tmp_path):
-    from asyncrl.secret_values import private_dir, write_private
+    from asyncrl.core.secret_values import private_dir, write_private
 
     old = os.umask(0o022)
     try:

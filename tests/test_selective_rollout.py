@@ -1,7 +1,7 @@
 """Selective rollout (GRESO, arXiv:2506.02177): the rule's maths, the buffer-side history, the books, resume.
 
 Real redis-server (killed with SIGKILL and restarted from its AOF for the resume), the tiny model's
-tokenizer, the real :class:`asyncrl.feeder.Feeder` and :class:`asyncrl.tasks.TrainPromptStream`;
+tokenizer, the real :class:`asyncrl.feeder.feeder.Feeder` and :class:`asyncrl.tasks.tasks.TrainPromptStream`;
 samples are generated and scored through the buffer API with rewards chosen per train problem:
 EASY problems are always solved (all-correct groups), HARD never (all-wrong), the rest half.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from asyncrl.config import load_config
-from asyncrl.config_sections import SelectiveRolloutConfig
-from asyncrl.feeder import Feeder, group_id_for
-from asyncrl.prompt_filter import PassRateFilter
-from asyncrl.selective_rollout import SelectiveRollout, explore_draw, skip_probability
-from asyncrl.tasks import TrainPromptStream
+from asyncrl.core.config import load_config
+from asyncrl.core.config_sections import SelectiveRolloutConfig
+from asyncrl.feeder.feeder import Feeder, group_id_for
+from asyncrl.feeder.prompt_filter import PassRateFilter
+from asyncrl.feeder.selective_rollout import SelectiveRollout, explore_draw, skip_probability
+from asyncrl.tasks.tasks import TrainPromptStream
 from buffers import BufferSettings, ReplayBuffer
 from buffers.errors import BadRequest
 from buffers.pass_rates import PromptHistory
@@ -327,7 +327,7 @@ async def test_selective_rollout_composes_with_the_pass_rate_filter(tiny_model_d
 @pytest.mark.integration
 async def test_skips_reach_the_step_records_and_the_reconciliation(redis_url):
     """The controller's BufferWatcher writes the skip counts and share; its reconciliation line names both reasons."""
-    from asyncrl.run_watch import BufferWatcher, reconcile_groups
+    from asyncrl.controller.run_watch import BufferWatcher, reconcile_groups
 
     settings = BufferSettings(rollout_batch_size=4, train_batch_groups=1, n_samples_per_prompt=2)
     async with await ReplayBuffer.open(redis_url, "skipmetrics", settings) as buf:

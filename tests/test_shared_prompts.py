@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from asyncrl.config import load_config
+from asyncrl.core.config import load_config
 from trainer.losses import token_logprobs_and_entropy
 from trainer.packing import (
     attention_mask_for, build_micro_batch, pack_by_tokens, packed_logits, shared_prefix_tokens,

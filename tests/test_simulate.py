@@ -92,7 +92,7 @@ def test_budget_parks_and_an_idle_server_resumes_under_the_same_version():
 
 
 def test_train_batch_groups_is_asyncrl_config_formula():
-    from asyncrl.config import train_batch_groups
+    from asyncrl.core.config import train_batch_groups
 
     for p in (0.1, 0.5, 0.7, 0.75, 0.8, 1.0):
         for R in (1, 3, 6, 8, 10, 16, 64, 683):

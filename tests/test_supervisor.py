@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.supervisor import RoleSpec, Supervisor, SupervisorError, http_health_check, split_cores, tail_lines
+from asyncrl.controller.supervisor import RoleSpec, Supervisor, SupervisorError, http_health_check, split_cores, tail_lines
 
 PY = sys.executable
 
@@ -235,7 +235,7 @@ def test_wait_healthy_errors(tmp_path):
 
 
 def test_http_health_check_against_real_server(tmp_path):
-    from asyncrl.net import free_port
+    from asyncrl.core.net import free_port
 
     port = free_port()
     check = http_health_check(f"http://127.0.0.1:{port}/", timeout_seconds=0.5)
@@ -262,7 +262,7 @@ def test_children_die_with_a_killed_controller(tmp_path):
     pidfile = tmp_path / "child.pid"
     controller = f"""
         import time
-        from asyncrl.supervisor import RoleSpec, Supervisor
+        from asyncrl.controller.supervisor import RoleSpec, Supervisor
         sup = Supervisor({str(tmp_path / 'logs')!r})
         p = sup.start(RoleSpec("c", [{PY!r}, "-c", "import time; time.sleep(60)"]))
         open({str(pidfile)!r}, "w").write(str(p.pid))

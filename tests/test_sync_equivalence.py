@@ -14,7 +14,7 @@ rollout worker, scoring with ``rollout_worker_rewards:length_reward``), and the 
 test only *records*: each batch handed to the trainer (a subclass of the source that keeps a
 copy), each step's micro-batches (a wrapper that keeps the plan ``begin_step`` returned) and
 each step's metrics (the loop's history). Prompts are the run's arithmetic prompts, fed with
-the real :class:`asyncrl.feeder.Feeder` (all 10 groups at once; admission control lets in B
+the real :class:`asyncrl.feeder.feeder.Feeder` (all 10 groups at once; admission control lets in B
 at a time).
 
 Generation: the engine samples (temperature 0.8, its own seeded RNG, stop string "a" so that
@@ -58,7 +58,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config import dump_config, load_config
+from asyncrl.core.config import dump_config, load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -114,9 +114,9 @@ def _config(tmp_path: Path, model_dir: Path, redis_url: str, critic_dir: Path | 
 
 def run_asyncrl(cfg, tmp_path: Path) -> tuple[list[dict], dict[tuple[str, int], dict], dict[str, torch.Tensor]]:
     """Run 5 real steps; returns per-step records, the generated samples by (group id, index), final weights."""
-    from asyncrl.feeder import Feeder
+    from asyncrl.feeder.feeder import Feeder
     from asyncrl.models import load_tokenizer
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
     from buffers import BufferSettings, ReplayBuffer
     from trainer.batch import TrainGroup
     from trainer.sources import BufferBatchSource
@@ -385,7 +385,7 @@ def assert_same_steps(asyncrl: list[dict], plain: list[dict]) -> None:
 
 def test_synchronous_equivalence(tmp_path, tiny_model_dir, redis_url):
     from asyncrl.models import load_tokenizer
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
 
     torch.set_num_threads(1)
     cfg = _config(tmp_path, tiny_model_dir, redis_url)
@@ -432,7 +432,7 @@ def test_synchronous_equivalence(tmp_path, tiny_model_dir, redis_url):
 def test_synchronous_equivalence_with_a_critic(tmp_path, tiny_model_dir, redis_url):
     """PPO with GAE: the same steps, losses, value losses and final actor and critic weights."""
     from asyncrl.models import load_tokenizer
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
     from trainer.critic import load_value_model
 
     torch.set_num_threads(1)
@@ -463,7 +463,7 @@ def test_synchronous_equivalence_multi_turn_episodes(tmp_path, tiny_model_dir, r
     rebuilds each conversation from the engine's calls and its own tokenisation of the
     observations (so the on-policy check also proves the engine saw exactly the trained context)."""
     from asyncrl.models import load_tokenizer
-    from asyncrl.tasks import TrainPromptStream
+    from asyncrl.tasks.tasks import TrainPromptStream
 
     import agent_workflows
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from asyncrl.config import ArithmeticConfig, DataConfig
-from asyncrl.tasks import (
+from asyncrl.core.config import ArithmeticConfig, DataConfig
+from asyncrl.tasks.tasks import (
     HELDOUT_PERCENT,
     ArithmeticTask,
     FileTask,
@@ -313,7 +313,7 @@ def test_file_task_uses_the_heldout_percent(tmp_path):
 
 
 def test_render_response_prefix():
-    from asyncrl.tasks import render_response_prefix
+    from asyncrl.tasks.tasks import render_response_prefix
 
     meta = {"expression": "82 + 2", "gold": "84", "task": "arithmetic"}
     assert render_response_prefix("{expression} =", meta) == "82 + 2 ="

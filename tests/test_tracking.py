@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from asyncrl.config import MonitoringConfig
-from asyncrl.tracking import (
+from asyncrl.core.config import MonitoringConfig
+from asyncrl.metrics.tracking import (
     SINKS_ENV,
     MetricsLogger,
     MetricsTail,
@@ -184,7 +184,7 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_for_role_uses_the_supervisor_role_name(tmp_path, monkeypatch):
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
     cfg = load_config(["--output_dir", str(tmp_path), "--run_name", "r"])
     monkeypatch.setenv("ASYNCRL_ROLE", "rollout-1")

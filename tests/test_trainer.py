@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from asyncrl.config import load_config
-from asyncrl.weights import list_versions, verify_weights_dir
+from asyncrl.core.config import load_config
+from asyncrl.core.weights import list_versions, verify_weights_dir
 from trainer.loop import ListBatchSource, train_loop
 
 

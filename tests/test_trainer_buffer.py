@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from asyncrl.config import load_config
-from asyncrl.types import WorkKind
+from asyncrl.core.config import load_config
+from asyncrl.core.types import WorkKind
 from buffers import BufferSettings, ReplayBuffer
 from trainer.batch import TrainGroup, prepare_batch
 from trainer.sources import BufferBatchSource

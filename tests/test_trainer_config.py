@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.core.config import load_config
 from trainer.engine import PRESETS, deepspeed_config, lr_at, preset_configs
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.core.config import ConfigError, load_config
 from tests.test_trainer import make_cfg, make_groups, tiny_model  # noqa: F401 (fixture)
 from trainer.loop import ListBatchSource, train_loop
 

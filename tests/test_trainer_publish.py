@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.weights import (
+from asyncrl.core.weights import (
     ChecksumError,
     PublishError,
     WeightFileServer,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import dump_config, load_config
+from asyncrl.core.config import dump_config, load_config
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +134,7 @@ async def _stats(cfg) -> dict:
 
 async def _books(cfg) -> dict:
     """Every fed group id classified as committed (deleted), dropped (with a reason) or live."""
-    from asyncrl.feeder import group_id_for
+    from asyncrl.feeder.feeder import group_id_for
     from buffers import ReplayBuffer
     from buffers.errors import UnknownItem
 
@@ -182,7 +182,7 @@ def test_no_checkpoint_means_version_0_and_abandoned_versions_are_deleted(tmp_pa
     and deletes them (they are published again, with other weights, as training continues)."""
     from safetensors.torch import load_file
 
-    from asyncrl.weights import list_versions, write_weights
+    from asyncrl.core.weights import list_versions, write_weights
     from trainer.trainer import Trainer
 
     cfg = load_config([], environ={}, overrides={"model": {"path": str(tiny_model_dir)},
@@ -252,6 +252,6 @@ def test_trainer_killed_and_restarted_continues_and_the_books_balance(case, tmp_
     assert counters["acked_groups"] == (TOTAL + acked - ckpt) * B, counters
     assert counters["replayed_groups"] in ((acked - ckpt) * B, (acked - ckpt + 1) * B), counters
     assert "InvalidTransition" not in run.log("trainer-2")
-    from asyncrl.weights import list_versions
+    from asyncrl.core.weights import list_versions
 
     assert max(list_versions(run.run_dir / "weights")) == TOTAL

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from asyncrl.weights import download_weights, verify_weights_dir
+from asyncrl.core.weights import download_weights, verify_weights_dir
 from rollout_server.testing import greedy_reference, start_embedded_server
 from tests.test_trainer import make_cfg, make_groups, tiny_model  # noqa: F401 (fixture)
 from trainer.loop import ListBatchSource, train_loop

@@ -11,8 +11,8 @@ import sys
 import pytest
 import yaml
 
-from asyncrl.config import load_config
-from asyncrl.rewards import VerifierStatusError
+from asyncrl.core.config import load_config
+from asyncrl.tasks.rewards import VerifierStatusError
 from tests.test_trainer import make_groups
 from trainer.batch import prepare_batch
 
@@ -64,6 +64,6 @@ def test_the_trainer_exits_2_on_a_broken_verifier(tmp_path, tiny_model_dir):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "step 1: every reward of the train batch (6 samples) is 0" in proc.stderr
     assert "data.check_verifier_status=false" in proc.stderr
-    from asyncrl.roles import FATAL_EXIT_CODES
+    from asyncrl.controller.roles import FATAL_EXIT_CODES
 
     assert 2 in FATAL_EXIT_CODES  # the controller's supervisor never restarts it

@@ -45,6 +45,9 @@ from typing import Literal
 
 import torch
 
+from asyncrl.core.choices import GROUP_ESTIMATORS
+from asyncrl.tasks.rewards import process_reward
+
 __all__ = [
     "ESTIMATORS",
     "AdvantageError",
@@ -58,8 +61,10 @@ __all__ = [
     "group_advantages",
 ]
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+#: The critic-free estimators, by name: the config's ``trainer.advantage`` choices are built from
+#: the same tuple (:data:`asyncrl.core.choices.GROUP_ESTIMATORS`); each name is a function below.
+ESTIMATORS: tuple[str, ...] = GROUP_ESTIMATORS
+Estimator = Literal[GROUP_ESTIMATORS]
 
 
 class AdvantageError(ValueError):
@@ -180,6 +185,9 @@ def process_rewards(
 ) -> torch.Tensor:
     """Shape raw rewards: ``clip((r - bias) * scale, -clip, clip)`` (PPO practice; AReaL).
 
+    The formula is :func:`asyncrl.tasks.rewards.process_reward`'s (its one place), applied to each
+    reward in float64.
+
     Args:
         rewards_N: (N,) raw rewards.
         bias, scale, clip: ``data.reward_bias``, ``data.reward_scale``, ``data.reward_clip``.
@@ -187,7 +195,8 @@ def process_rewards(
     Returns:
         (N,) float32 processed rewards.
     """
-    return ((rewards_N.to(torch.float64) - bias) * scale).clamp(-clip, clip).float()
+    shaped = [process_reward(r, scale=scale, bias=bias, clip=clip) for r in rewards_N.to(torch.float64).tolist()]
+    return torch.tensor(shaped, dtype=torch.float64).float()
 
 
 def _precomputed_state(advantages: Sequence[object], lengths: Sequence[int], names: Sequence[str]) -> str:

@@ -37,7 +37,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from asyncrl.rewards import check_verifier_status
+from asyncrl.core.types import Sample
+from asyncrl.tasks.rewards import check_verifier_status
 from trainer.advantages import group_advantages, overlong_penalty, process_rewards
 from trainer.episodes import (
     apply_grouping_hook,
@@ -71,41 +72,29 @@ def _get(record: Any, name: str, default: Any = None) -> Any:
 
 
 @dataclass
-class TrainSample:
-    """One response to train on.
+class TrainSample(Sample):
+    """One response to train on: the buffer's :class:`~asyncrl.core.types.Sample` plus what training needs.
+
+    Inherited from :class:`~asyncrl.core.types.Sample` (same names, same meaning): ``sample_id``,
+    ``group_id`` (used in messages and acknowledgements), ``index`` (position in the group),
+    ``response_ids`` (R,), ``behaviour_logprobs`` (R,) log pi_behav per response token (engine,
+    fp32), ``versions`` (R,) the policy version of each response token, ``reward`` (None when
+    scoring failed), ``advantages`` (optional precomputed: a number or R numbers), ``error``
+    (None when fine) and ``info`` (an episode's termination and counts, docs/agents.md).
 
     Attributes:
-        sample_id, group_id: identities from the buffer (used in messages and acknowledgements).
-        index: position of the sample in its group.
+        finish_reason: ``stop`` (EOS or stop string, the default here), ``length`` (max_response_len) or other.
+        segments: the episode's segments ``(start, end, reason, trajectory)`` (empty: single-turn).
         prompt_ids: (P,) prompt token ids, P >= 1.
-        response_ids: (R,) response token ids.
-        behaviour_logprobs: (R,) log pi_behav of each response token (engine, fp32).
-        versions: (R,) policy version that produced each response token.
-        finish_reason: ``stop`` (EOS or stop string), ``length`` (max_response_len) or other.
-        reward: scalar reward, None when scoring failed.
-        advantages: optional precomputed advantages: a number or R numbers.
-        error: reward/rollout error, None when fine.
         env_spans: ``[start, end)`` ranges of environment tokens of an episode (loss-masked).
         call_spans: ``[start, end)`` ranges of an episode's model calls (empty: single-turn).
-        info: an episode's termination and counts (docs/agents.md), None for single-turn.
-        segments: the episode's segments ``(start, end, reason, trajectory)`` (empty: single-turn).
     """
 
-    sample_id: str
-    group_id: str
-    index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behaviour_logprobs: list[float]
-    versions: list[int]
     finish_reason: str = "stop"
-    reward: float | None = None
-    advantages: float | list[float] | None = None
-    error: str | None = None
+    segments: list[tuple] = field(default_factory=list)  # type: ignore[assignment]  # plain tuples here
+    prompt_ids: list[int] = field(default_factory=list)
     env_spans: list[tuple[int, int]] = field(default_factory=list)
     call_spans: list[tuple[int, int]] = field(default_factory=list)
-    info: dict[str, Any] | None = None
-    segments: list[tuple] = field(default_factory=list)
 
     @property
     def eos(self) -> bool:
@@ -166,7 +155,7 @@ class TrainGroup:
         """Build from a buffer group (object or dict with ``group_id``, ``prompt_ids``, ``samples``)."""
         if isinstance(record, TrainGroup):
             return record
-        head = _get(record, "group", None) or record  # asyncrl.types.BatchGroup wraps a PromptGroup
+        head = _get(record, "group", None) or record  # asyncrl.core.types.BatchGroup wraps a PromptGroup
         gid = _get(head, "group_id")
         if gid is None:
             raise BatchError(f"a batch group has no group_id: {type(record).__name__}")
@@ -278,7 +267,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
 
     Args:
         groups: prompt groups (buffer objects, dicts or :class:`TrainGroup`).
-        cfg: the :class:`asyncrl.config.AsyncRLConfig` (``trainer``, ``data``, ``rollout`` sections).
+        cfg: the :class:`asyncrl.core.config.AsyncRLConfig` (``trainer``, ``data``, ``rollout`` sections).
         policy_version: version of the weights being trained (staleness = this - token version).
 
     Returns:
@@ -287,7 +276,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
     Raises:
         BatchError: inconsistent sample lists, a duplicate sample id, or an empty batch.
         trainer.advantages.AdvantageError: malformed precomputed advantages.
-        asyncrl.rewards.VerifierStatusError: ``data.check_verifier_status`` is on and every raw
+        asyncrl.tasks.rewards.VerifierStatusError: ``data.check_verifier_status`` is on and every raw
             reward of the batch's scored samples is 0 (a broken verifier); the trainer exits
             with status 2, which the controller does not restart, and the batch stays in the
             buffer unacknowledged.
@@ -317,7 +306,7 @@ def prepare_batch(groups: Sequence[Any], cfg: Any, policy_version: int) -> Train
         raise BatchError("no trainable group in the batch (every sample failed or groups too small)")
     agent = getattr(cfg, "agent", None)
     if agent is not None and agent.trajectory_grouping_hook:
-        kept = apply_grouping_hook(_load_hook(agent.trajectory_grouping_hook), kept)
+        kept = apply_grouping_hook(_load_hook(agent.trajectory_grouping_hook), kept, TrainGroup)
     if dcfg.check_verifier_status:
         check_verifier_status([float(s.reward) for g in kept for s in g.samples if s.reward is not None])
 

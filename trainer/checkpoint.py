@@ -49,7 +49,7 @@ class TrainerCheckpoints:
         Returns:
             the checkpoint directory.
         """
-        from asyncrl.config import dump_config
+        from asyncrl.core.config import dump_config
 
         tag = f"step{self.step:08d}"
         client_state = {
@@ -185,7 +185,7 @@ class TrainerCheckpoints:
     def _discard_versions_after(self, version: int) -> None:
         """Delete published version directories newer than ``version`` (rank 0) and forget them."""
         if self.rank == 0:
-            from asyncrl.weights import list_versions, version_dir_name
+            from asyncrl.core.weights import list_versions, version_dir_name
 
             for v in list_versions(self.weights_dir):
                 if v > version:

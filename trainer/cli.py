@@ -26,7 +26,7 @@ __all__ = ["main", "BufferBatchSource"]
 
 def main(argv: list[str]) -> int:
     """Entry point of ``asyncrl trainer``; returns the exit code."""
-    from asyncrl.config_cli import config_from_argv
+    from asyncrl.core.config_cli import config_from_argv
 
     argv = _strip_launcher_args(argv)
     cfg = config_from_argv(argv, "trainer")

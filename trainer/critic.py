@@ -93,7 +93,7 @@ class Critic:
     """The value model, its DeepSpeed engine, value normalisation and the KL coefficient.
 
     Args:
-        cfg: the resolved :class:`asyncrl.config.AsyncRLConfig` (``trainer.critic``,
+        cfg: the resolved :class:`asyncrl.core.config.AsyncRLConfig` (``trainer.critic``,
             ``trainer.gae``, ``trainer.kl_ctl`` sections).
         attn_implementation: the implementation to switch the critic to (the actor's, e.g.
             trainer/attention.py's block attention); None keeps the loaded one.

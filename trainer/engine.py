@@ -31,7 +31,7 @@ __all__ = ["deepspeed_config", "init_distributed", "build_engine", "lr_at", "Gra
 
 
 def deepspeed_config(cfg: Any) -> dict[str, Any]:
-    """DeepSpeed's config dict for ``cfg`` (an :class:`asyncrl.config.AsyncRLConfig`).
+    """DeepSpeed's config dict for ``cfg`` (an :class:`asyncrl.core.config.AsyncRLConfig`).
 
     ``train_micro_batch_size_per_gpu`` is 1 and ``gradient_accumulation_steps`` 1 as DeepSpeed's
     bookkeeping only; the real micro-batch is a packed row of ``trainer.micro_batch_tokens``.
@@ -96,11 +96,9 @@ def init_distributed() -> tuple[int, int]:
 
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
-            import socket
+            from asyncrl.core.net import free_port
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port("127.0.0.1")
             os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         from deepspeed.accelerator import get_accelerator
@@ -139,7 +137,7 @@ PRESETS: dict[str, tuple[int, str]] = {
 
 def preset_configs() -> dict[str, dict[str, Any]]:
     """``configs/deepspeed/<name>.json`` contents: :func:`deepspeed_config` of the default config per preset."""
-    from asyncrl.config import load_config
+    from asyncrl.core.config import load_config
 
     out = {}
     for name, (stage, precision) in PRESETS.items():

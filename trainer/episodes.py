@@ -22,6 +22,7 @@ which (``obs`` segments hold environment tokens; ``turn`` closes a model call).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -46,7 +47,8 @@ def seg_tuple(seg: Any) -> tuple[int, int, str, int]:
 def expand_trajectories(groups: list[Any]) -> list[Any]:
     """Split episodes with several trajectories into one sample per trajectory (docs/agents.md).
 
-    Trajectory 0 keeps the group (its prompt is the group's); trajectory k of every episode of
+    ``groups`` are :class:`trainer.batch.TrainGroup` s; the new samples and groups are copies
+    (:func:`dataclasses.replace`) of the episode's. Trajectory 0 keeps the group (its prompt is the group's); trajectory k of every episode of
     the group forms the group ``<group_id>~<name>``, each sample's prompt being its ``ctx``
     segment. A sample's response is the concatenation of its trajectory's segments; its reward
     is ``info["trajectory_rewards"][k]`` (the episode's reward when absent); per-token
@@ -56,8 +58,6 @@ def expand_trajectories(groups: list[Any]) -> list[Any]:
         ValueError: a trajectory whose first segment is not its prompt (``ctx``), or episodes of
             one group whose trajectory names differ.
     """
-    from trainer.batch import TrainGroup, TrainSample
-
     out: list[Any] = []
     for g in groups:
         multi = any(any(seg_tuple(x)[3] > 0 for x in (s.segments or [])) for s in g.samples)
@@ -94,8 +94,8 @@ def expand_trajectories(groups: list[Any]) -> list[Any]:
                 if isinstance(adv, list):
                     adv = [adv[i] for i in idx]
                 reward = trewards[k] if k < len(trewards) else s.reward
-                by_traj.setdefault(k, []).append(TrainSample(
-                    sample_id=s.sample_id if k == 0 else f"{s.sample_id}~{name}", group_id=g.group_id, index=s.index,
+                by_traj.setdefault(k, []).append(dataclasses.replace(
+                    s, sample_id=s.sample_id if k == 0 else f"{s.sample_id}~{name}", group_id=g.group_id, index=s.index,
                     prompt_ids=prompt, response_ids=[s.response_ids[i] for i in idx],
                     behaviour_logprobs=[s.behaviour_logprobs[i] for i in idx], versions=[s.versions[i] for i in idx],
                     finish_reason=s.finish_reason, reward=reward, advantages=adv, error=s.error,
@@ -105,7 +105,8 @@ def expand_trajectories(groups: list[Any]) -> list[Any]:
             samples = by_traj[k]
             for smp in samples:
                 smp.group_id = gid
-            out.append(TrainGroup(gid, samples[0].prompt_ids if k == 0 else list(g.prompt_ids), samples, g.metadata))
+            out.append(dataclasses.replace(g, group_id=gid, prompt_ids=samples[0].prompt_ids if k == 0 else list(g.prompt_ids),
+                                           samples=samples))
     return out
 
 
@@ -113,7 +114,7 @@ def episode_layout(segments: Sequence[Any], response_len: int) -> tuple[list[tup
     """Environment spans and model-call spans of an episode's response.
 
     Args:
-        segments: the sample's segments (:class:`asyncrl.types.Segment`, ``(start, end, reason)``
+        segments: the sample's segments (:class:`asyncrl.core.types.Segment`, ``(start, end, reason)``
             tuples or dicts), in order.
         response_len: R, the response length.
 
@@ -174,8 +175,6 @@ def expand_stepwise(prepared: list[Any], mode: str = "broadcast") -> list[Any]:
         ``prompt + response[:start_k]`` and its per-token tensors are the episode's sliced to
         ``[start_k, end_k)`` (so each step carries the trajectory's advantage).
     """
-    from trainer.batch import PreparedSample
-
     check_stepwise_mode(mode)
     out: list[Any] = []
     for p in prepared:
@@ -184,25 +183,27 @@ def expand_stepwise(prepared: list[Any], mode: str = "broadcast") -> list[Any]:
             out.append(p)
             continue
         for k, (a, b) in enumerate(spans):
-            out.append(PreparedSample(
-                f"{p.sample_id}#{k}", p.group_id, list(p.prompt_ids) + list(p.response_ids[:a]),
-                list(p.response_ids[a:b]), p.behaviour_logprobs[a:b].clone(), p.advantages[a:b].clone(),
-                p.loss_mask[a:b].clone(), p.versions[a:b].clone(), p.reward,
+            out.append(dataclasses.replace(
+                p, sample_id=f"{p.sample_id}#{k}", prompt_ids=list(p.prompt_ids) + list(p.response_ids[:a]),
+                response_ids=list(p.response_ids[a:b]), behaviour_logprobs=p.behaviour_logprobs[a:b].clone(),
+                advantages=p.advantages[a:b].clone(), loss_mask=p.loss_mask[a:b].clone(),
+                versions=p.versions[a:b].clone(), call_spans=[],
             ))
     return out
 
 
-def apply_grouping_hook(hook: Any, groups: list[Any]) -> list[Any]:
+def apply_grouping_hook(hook: Any, groups: list[Any], group_type: type) -> list[Any]:
     """Run a ``trajectory_grouping_hook`` on the batch's groups and check what it returns.
+
+    ``group_type`` is the class every returned group must be (:class:`trainer.batch.TrainGroup`;
+    passed in so this module never imports the batch module that calls it).
 
     Raises:
         ValueError: the hook returned something other than a non-empty list of groups, or a
             sample twice.
     """
-    from trainer.batch import TrainGroup
-
     result = hook(groups)
-    if not isinstance(result, list) or not result or not all(isinstance(g, TrainGroup) for g in result):
+    if not isinstance(result, list) or not result or not all(isinstance(g, group_type) for g in result):
         raise ValueError("agent.trajectory_grouping_hook must return a non-empty list of trainer.batch.TrainGroup")
     seen: set[str] = set()
     for g in result:

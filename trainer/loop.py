@@ -12,7 +12,7 @@ phase) go to a callback, to ``<run_dir>/metrics/trainer.jsonl`` and to Prometheu
 
 Batch sources (rank 0 only) satisfy :class:`trainer.batch.BatchSource`:
 ``next_batch(step)`` (plain or async; ``step`` is the 1-based number of the step about to be
-trained) returns a list of prompt groups, an object with ``.groups`` (``asyncrl.types.Batch``),
+trained) returns a list of prompt groups, an object with ``.groups`` (``asyncrl.core.types.Batch``),
 or None when exhausted; ``acknowledge(step)`` after the step; optional ``commit(step)`` after
 a checkpoint and ``state_dict()`` (dataset cursor, stored in checkpoints). The sources are in
 :mod:`trainer.sources` (``ListBatchSource`` and ``FileBatchSource`` also import from here).
@@ -48,14 +48,14 @@ class PhaseTimer:
     clock keeps running meanwhile, so a phase that spans the stop would read the whole
     evaluation (a 40-second forward and backward read 178 s). The controller records each stop
     as a ``time.monotonic()`` interval in the run's ``clock.json`` before it lets the roles
-    continue (:class:`asyncrl.tracking.RunClock`); a phase's seconds are its
+    continue (:class:`asyncrl.metrics.tracking.RunClock`); a phase's seconds are its
     ``time.perf_counter()`` duration minus its overlap with those intervals.
 
     Args:
         metrics: an :class:`asyncrl.metrics.TrainerMetrics` (rank 0) or None: the four
             phases of docs/architecture.md#training-step are also observed into its step-duration histogram (the same
             corrected seconds) and ``wait_batch`` marks the trainer idle.
-        clock: the run's :class:`asyncrl.tracking.RunClock` or None (no correction).
+        clock: the run's :class:`asyncrl.metrics.tracking.RunClock` or None (no correction).
     """
 
     def __init__(self, metrics: Any = None, clock: Any = None):
@@ -145,10 +145,10 @@ def train_loop(
         jsonl = open(path, "a")
     done_here = 0
     reason = "total_steps"
-    from asyncrl.tracking import RunClock
+    from asyncrl.metrics.tracking import RunClock
 
     clock = RunClock(cfg.run.run_dir)  # evaluation stops recorded by the controller (none when run alone)
-    from asyncrl.core_follow import idle_flag_from_env
+    from asyncrl.core.core_follow import idle_flag_from_env
 
     # resources.core_sharing: follow — rank 0 holds the idle flag while it waits for a batch
     idle_flag = idle_flag_from_env() if trainer.rank == 0 else None
@@ -276,7 +276,7 @@ def _checkpoint(trainer: Any, source: Any, metrics: Any = None, stopping: bool =
 def _buffer_call(trainer: Any, make: Callable[[], Any], stopping: bool, skipped: str) -> Any:
     """``trainer.run_async(make())``; when stopping, an outage (DependencyOutage) is reported with
     ``skipped`` and None returned instead of raised."""
-    from asyncrl.outage import DependencyOutage
+    from asyncrl.core.outage import DependencyOutage
 
     try:
         return trainer.run_async(make())

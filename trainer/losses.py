@@ -93,7 +93,7 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, loss_cfg) -> "LossSettings":
-        """Copy the fields of ``asyncrl.config.LossConfig``."""
+        """Copy the fields of ``asyncrl.core.config.LossConfig``."""
         return cls(**{f: getattr(loss_cfg, f) for f in cls.__dataclass_fields__})
 
 

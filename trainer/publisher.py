@@ -1,7 +1,7 @@
 """Weight publishing: what the trainer does with each policy version, per transport.
 
 Every transport starts the same way: rank 0 writes ``<weights_dir>/v<version:06d>/`` with
-:func:`asyncrl.weights.write_weights` (atomic, checksummed, the oldest versions beyond
+:func:`asyncrl.core.weights.write_weights` (atomic, checksummed, the oldest versions beyond
 ``keep_last`` pruned), and only then announces the version on the clock
 (``VersionClock.publish``: compare-and-set), with the sha256 of ``model.safetensors`` as the
 checksum (``Trainer.publish_weights``, :class:`WeightPublishing` below). Transports
@@ -9,18 +9,18 @@ checksum (``Trainer.publish_weights``, :class:`WeightPublishing` below). Transpo
 
 - ``disk``: the uri is the version directory's absolute path; a rollout server calls
   ``/update_weights_from_disk`` with it.
-- ``http``: :class:`asyncrl.weights.WeightFileServer` (aiohttp, in a background thread of trainer
+- ``http``: :class:`asyncrl.core.weights.WeightFileServer` (aiohttp, in a background thread of trainer
   rank 0) serves the weights directory; the uri is ``http://host:port/weights/v000007/`` and a
-  rollout server downloads and verifies it with :func:`asyncrl.weights.download_weights`.
+  rollout server downloads and verifies it with :func:`asyncrl.core.weights.download_weights`.
 - ``nccl``: the weights are still written to disk first (durable; new or restarted servers
   load them from there), then :class:`NcclWeightPusher` broadcasts them to the running engines
   with SGLang's choreography (``/init_weights_update_group`` once, then
   ``/update_weights_from_distributed`` + one broadcast per tensor, via
-  :class:`asyncrl.weights.DistributedWeightSender`): NCCL where CUDA exists, gloo on CPU.
+  :class:`asyncrl.core.weights.DistributedWeightSender`): NCCL where CUDA exists, gloo on CPU.
   The announced uri is the disk directory; engines already updated report the new
   ``weight_version`` and skip the reload.
 
-The directory format and both ends of each transport are in :mod:`asyncrl.weights`, which the
+The directory format and both ends of each transport are in :mod:`asyncrl.core.weights`, which the
 rollout servers import too; this module holds what only the trainer does:
 :class:`WeightPublishing` (``Trainer.full_state_dict``, ``Trainer.publish_weights``, the files
 copied from the source model into every version) and :class:`NcclWeightPusher`.
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.weights import PublishError
+from asyncrl.core.weights import PublishError
 
 __all__ = ["NcclWeightPusher", "WeightPublishing"]
 
@@ -63,8 +63,8 @@ class NcclWeightPusher:
 
     async def push(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Broadcast ``state_dict`` to every engine as ``weight_version = str(version)``."""
-        from asyncrl.net import free_port
-        from asyncrl.weights import DistributedWeightSender
+        from asyncrl.core.net import free_port
+        from asyncrl.core.weights import DistributedWeightSender
 
         if self._sender is None:
             sender = DistributedWeightSender(self.urls, self.master_address, free_port(self.master_address),
@@ -149,9 +149,9 @@ class WeightPublishing:
             ``version``, ``publish_seconds``, ``publish_bytes`` (rank 0; other ranks get ``version``).
 
         Raises:
-            asyncrl.weights.PublishError: the version directory exists or cannot be written.
+            asyncrl.core.weights.PublishError: the version directory exists or cannot be written.
         """
-        from asyncrl.weights import write_weights
+        from asyncrl.core.weights import write_weights
 
         version = self.step
         if version in self.published_versions:

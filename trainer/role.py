@@ -9,7 +9,7 @@ rewards are all 0 with ``data.check_verifier_status`` on (a broken verifier) exi
 controller does not restart it, and the batch stays in the buffer.
 
 Faults: a Redis outage (restart, AOF loading) is waited out by every buffer call of rank 0
-(:mod:`asyncrl.outage`: backoff, one WARNING line, ``buffer.outage_seconds``), so it neither
+(:mod:`asyncrl.core.outage`: backoff, one WARNING line, ``buffer.outage_seconds``), so it neither
 crashes the trainer nor redoes its steps; a wait past its deadline (the outage, or no batch
 within ``trainer.batch_wait_seconds``) exits 1 with one line naming what was waited for.
 """
@@ -25,8 +25,8 @@ __all__ = ["run_trainer"]
 
 def run_trainer(cfg: Any, replay: str | None) -> int:
     """Train on batches from the buffer (or replayed from the JSONL file ``replay``); returns the exit code."""
-    from asyncrl.outage import DependencyOutage
-    from asyncrl.rewards import VerifierStatusError
+    from asyncrl.core.outage import DependencyOutage
+    from asyncrl.tasks.rewards import VerifierStatusError
     from trainer.loop import install_signal_handlers, train_loop
     from trainer.sources import BatchWaitTimeout, BufferBatchSource, FileBatchSource
     from trainer.trainer import Trainer

@@ -94,7 +94,7 @@ class BufferBatchSource:
 
     Stopping during an outage: once ``stop`` is set, ``commit`` and ``state_dict`` wait out an
     unreachable Redis for at most :attr:`stop_outage_seconds` (not ``buffer.outage_seconds``),
-    then raise :class:`asyncrl.outage.DependencyOutage`; the stop's checkpoint is written without
+    then raise :class:`asyncrl.core.outage.DependencyOutage`; the stop's checkpoint is written without
     them (``trainer.loop``). Before, a trainer told to stop after its controller died with Redis
     waited the whole outage deadline (300 s) for a Redis nobody would restart.
     """
@@ -104,7 +104,7 @@ class BufferBatchSource:
 
     def __init__(self, buf: Any, stop: threading.Event | None = None, poll_seconds: float = 0.05,
                  outage_seconds: float = 300.0, batch_wait_seconds: float = 3600.0):
-        from asyncrl.outage import OutageGuard
+        from asyncrl.core.outage import OutageGuard
 
         self.buf = buf
         self.stop = stop or threading.Event()
@@ -122,11 +122,11 @@ class BufferBatchSource:
 
         Raises:
             ValueError: no ``buffer.redis_url`` configured.
-            asyncrl.outage.DependencyOutage: Redis unreachable past the deadline.
+            asyncrl.core.outage.DependencyOutage: Redis unreachable past the deadline.
         """
         if not cfg.buffer.redis_url:
             raise ValueError("asyncrl trainer needs --buffer.redis_url (or ASYNCRL_TRAINER_BATCHES=file.jsonl to replay batches)")
-        from asyncrl.outage import OutageGuard
+        from asyncrl.core.outage import OutageGuard
         from buffers import BufferSettings, ReplayBuffer
 
         guard = OutageGuard("trainer", cfg.buffer.outage_seconds)
@@ -143,11 +143,11 @@ class BufferBatchSource:
         Raises:
             BatchWaitTimeout: no batch within ``batch_wait_seconds`` (the message names the step
                 and the buffer's groups by state).
-            asyncrl.outage.DependencyOutage: Redis unreachable past ``buffer.outage_seconds``.
+            asyncrl.core.outage.DependencyOutage: Redis unreachable past ``buffer.outage_seconds``.
         """
         import time
 
-        from asyncrl.outage import DependencyOutage
+        from asyncrl.core.outage import DependencyOutage
 
         deadline = time.monotonic() + self.batch_wait_seconds
         while not self.stop.is_set():

@@ -114,7 +114,7 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
     """A DeepSpeed policy trainer for one rank (construct it on every rank).
 
     Args:
-        cfg: the resolved :class:`asyncrl.config.AsyncRLConfig`.
+        cfg: the resolved :class:`asyncrl.core.config.AsyncRLConfig`.
         announce: ``announce(version, uri, checksum)`` called on rank 0 after weights are durable
             (sync or async; the buffer's clock ``publish``). None: publish without announcing.
         model: an already loaded transformers causal LM (fp32) instead of ``cfg.model.path``.
@@ -192,13 +192,13 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         self.checkpoint_dir = run_dir / "checkpoints"
         self.http_server = None
         if cfg.weight_sync.transport == "http" and self.rank == 0:
-            from asyncrl.weights import WeightFileServer
+            from asyncrl.core.weights import WeightFileServer
 
             self.http_server = WeightFileServer(self.weights_dir, cfg.weight_sync.http_host or cfg.rollout.host,
                                                 cfg.weight_sync.http_port, api_key=cfg.security.api_key).start()
         self.nccl_pusher = None
         if cfg.weight_sync.transport == "nccl" and self.rank == 0:
-            from asyncrl.secret_values import reveal
+            from asyncrl.core.secret_values import reveal
             from trainer.publisher import NcclWeightPusher
 
             urls = list(cfg.rollout.server_urls) or [

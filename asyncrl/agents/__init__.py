@@ -7,11 +7,11 @@ loading of user workflows (:mod:`asyncrl.agents.loader`). The rollout worker run
 """
 
 from asyncrl.agents.chat import ChatFormat, ChatFormatError
+from asyncrl.agents.model import EpisodeModel
 from asyncrl.agents.loader import LoadedWorkflow, WorkflowError, load_workflow
 from asyncrl.agents.workflow import (
     TERMINATIONS,
     Episode,
-    EpisodeModel,
     EpisodeTask,
     EpisodeTimeout,
     ModelOutput,

@@ -16,7 +16,7 @@
   (``agent.harness_command``) runs as the episode, through a session on the rollout worker
   (:mod:`asyncrl.agents.harness`, :mod:`asyncrl.agents.sessions`).
 
-Answers are checked with :func:`asyncrl.rewards.check_answer` (the single-turn task's
+Answers are checked with :func:`asyncrl.tasks.rewards.check_answer` (the single-turn task's
 math-verify reward) in a thread, so a slow check never blocks the worker's event loop.
 """
 
@@ -31,8 +31,9 @@ from typing import Any
 
 from asyncrl.agents.harness import openai_harness
 from asyncrl.agents.opsd import opsd
-from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask
-from asyncrl.rewards import check_answer
+from asyncrl.agents.model import EpisodeModel
+from asyncrl.agents.workflow import Episode, EpisodeTask
+from asyncrl.tasks.rewards import check_answer
 
 __all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "arithmetic_opsd", "calculator",
            "safe_calculate", "CALC_PATTERN", "BUILTIN_WORKFLOWS", "openai_harness"]

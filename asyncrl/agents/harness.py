@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.agents.sessions import Session, SessionServer, prompt_messages, task_json
-from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask, EpisodeTimeout
+from asyncrl.agents.model import EpisodeModel
+from asyncrl.agents.workflow import Episode, EpisodeTask, EpisodeTimeout
 
 __all__ = ["HarnessEnv", "HarnessError", "openai_harness", "PASSED_ENV", "REWARD_GRACE_SECONDS"]
 

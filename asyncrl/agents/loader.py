@@ -7,7 +7,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from asyncrl.agents.workflow import Workflow
+from asyncrl.agents.model import Workflow
 
 __all__ = ["LoadedWorkflow", "WorkflowError", "load_workflow", "load_callable"]
 

@@ -27,7 +27,7 @@ from asyncrl.agents.workflow import (
     TokenLimit,
 )
 
-__all__ = ["EpisodeModel", "MAX_TRAJECTORIES"]
+__all__ = ["EpisodeModel", "MAX_TRAJECTORIES", "Workflow"]
 
 #: Trajectories per episode (the buffer tags segments with 4 bits).
 MAX_TRAJECTORIES = 16
@@ -453,3 +453,8 @@ class EpisodeModel:
                                      f"{n} output tokens (give one number, or one per output token)")
             out[st.offset:st.offset + n] = vals
         return "all", out
+
+
+#: A workflow: ``async (task, model, env) -> Episode`` (docs/agents.md). Declared here, beside the
+#: handle it receives, so :mod:`asyncrl.agents.workflow` (the types) never imports this module.
+Workflow = Callable[[EpisodeTask, EpisodeModel, Any], Awaitable[Episode]]

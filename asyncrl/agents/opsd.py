@@ -29,7 +29,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Awaitable, Callable, Sequence
 
-from asyncrl.agents.workflow import Episode, EpisodeModel, EpisodeTask, TokenLimit
+from asyncrl.agents.model import EpisodeModel
+from asyncrl.agents.workflow import Episode, EpisodeTask, TokenLimit
 
 __all__ = ["opsd", "gold_answer_hint", "gold_answer_note", "opsd_advantages", "PLACEMENTS"]
 

@@ -8,7 +8,7 @@ first episode). The session key is the bearer token (``OPENAI_API_KEY``); it sel
 episode, an unknown key is 401. Endpoints (docs/agents.md, "Existing agents"):
 
 * ``POST /v1/chat/completions`` (non-streaming): one model call of the episode's
-  :class:`asyncrl.agents.workflow.EpisodeModel`. The first call's messages must render (chat
+  :class:`asyncrl.agents.model.EpisodeModel`. The first call's messages must render (chat
   template, ``add_generation_prompt``) to exactly the episode's prompt ids; a trailing
   ``assistant`` message is a prefill (appended to the rendered prompt as text, the convention
   of ``continue_final_message``). Later calls must repeat the conversation so far, every
@@ -44,7 +44,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from asyncrl.agents.chat import ChatFormat, ChatFormatError, off_loop
-from asyncrl.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
+from asyncrl.core.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
 from asyncrl.agents.model import MAX_TRAJECTORIES, EpisodeModel
 from asyncrl.agents.workflow import EpisodeTimeout, TokenLimit
 
@@ -127,7 +127,7 @@ class SessionError(Exception):
 
 
 def render_messages_ids(tokenizer: Any, messages: list[tuple[str, str]], prefill: str = "") -> list[int]:
-    """The prompt ids of ``messages`` as asyncrl renders prompts (asyncrl.tasks.render_prompt).
+    """The prompt ids of ``messages`` as asyncrl renders prompts (asyncrl.tasks.tasks.render_prompt).
 
     Chat template with ``add_generation_prompt=True``, then ``prefill`` as text, tokenised once
     without adding special tokens. Returns (P,) ids.

@@ -43,7 +43,6 @@ __all__ = [
     "ModelOutput",
     "Step",
     "Episode",
-    "EpisodeModel",
     "TokenLimit",
     "EpisodeTimeout",
     "EpisodeInterrupt",
@@ -51,7 +50,6 @@ __all__ = [
     "RecordedEvent",
     "RecordedHistory",
     "LiveCalls",
-    "Workflow",
 ]
 
 #: Why an episode ended (metric label ``termination``): the environment said done, the turn
@@ -91,7 +89,7 @@ class EpisodeTask:
     """What a workflow is asked to do.
 
     Attributes:
-        metadata: the prompt group's task data (``gold``, ``expression``, ... from asyncrl.tasks).
+        metadata: the prompt group's task data (``gold``, ``expression``, ... from asyncrl.tasks.tasks).
         prompt_ids: (P,) the prompt's token ids (chat-templated), the trajectory's first context.
         prompt_text: the prompt decoded (for reading; never re-tokenised).
         seed: fixed per sample; seed the environment with it so that a replay is identical.
@@ -170,9 +168,6 @@ class Episode:
             raise ValueError(f"Episode.termination must be one of {TERMINATIONS}, got {self.termination!r}")
 
 
-Workflow = Callable[[EpisodeTask, "EpisodeModel", Any], Awaitable[Episode]]
-
-
 @dataclass
 class RecordedEvent:
     """One event of a recorded episode: a model call (``kind == "model"``), an observation
@@ -209,7 +204,7 @@ class RecordedHistory:
 
         Args:
             ids, logprobs, versions: (R,) the sample's response arrays.
-            segments: :class:`asyncrl.types.Segment` list (``start``, ``end``, ``finish_reason``).
+            segments: :class:`asyncrl.core.types.Segment` list (``start``, ``end``, ``finish_reason``).
             max_tokens_of: unused hook for call limits (kept for symmetry with live calls).
 
         Raises:
@@ -294,5 +289,3 @@ class LiveCalls(Protocol):
 
     async def observe(self, ids: list[int], version: int, trajectory: int = 0, kind: str = "obs") -> None: ...
 
-
-from asyncrl.agents.model import EpisodeModel  # noqa: E402  (the handle; re-exported here)

@@ -9,6 +9,8 @@ Layout (import everything from ``asyncrl.metrics``; the modules are one job each
 ``labels`` (closed label sets, bucket layouts, label checks), ``idle`` (:class:`IdleTracker`),
 one catalogue per role (``rollout``, ``buffer``, ``trainer``, ``controller``, ``reward_model``), ``serving``
 (build info, registries, exposition, HTTP servers) and ``lint`` (:func:`lint_exposition`).
+Beside the catalogue, not re-exported: ``tracking`` (the metrics-*.jsonl records, TensorBoard
+and W&B sinks) and ``report`` (``asyncrl report``: curves and a summary drawn from those records).
 
 Conventions (prometheus.io "Metric and label naming", https://prometheus.io/docs/practices/naming/):
 

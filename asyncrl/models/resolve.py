@@ -16,7 +16,7 @@ from asyncrl.models.tiny import TINY_MODEL_NAME, build_tiny_model
 from asyncrl.models.validate import _read_json, validate_model_dir
 
 if TYPE_CHECKING:  # pragma: no cover
-    from asyncrl.config import AsyncRLConfig
+    from asyncrl.core.config import AsyncRLConfig
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -140,7 +140,7 @@ def check_context(cfg: "AsyncRLConfig", max_prompt_tokens: int) -> int:
             gives the numbers and the largest ``max_response_len`` that fits.
         ModelNotFoundError / CorruptModelError: the model cannot be resolved.
     """
-    from asyncrl.config import ConfigError
+    from asyncrl.core.config import ConfigError
 
     context = cfg.model.max_context_len or model_context_len(cfg.model.path)
     need = max_prompt_tokens + cfg.rollout.max_response_len

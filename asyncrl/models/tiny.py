@@ -60,7 +60,7 @@ def _train_tiny_tokenizer() -> Any:
     """Byte-level BPE (digits split individually) trained on the shipped corpus; deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from asyncrl import assets
+    from asyncrl.models import assets
 
     corpus = Path(assets.__file__).with_name("tiny_corpus.txt").read_text(encoding="utf-8")
     tok = Tokenizer(models.BPE())
@@ -132,7 +132,7 @@ def build_tiny_model(out_dir: Path | str, seed: int = 0) -> Path:
 
     Architecture: hidden 64, 2 layers, 4 attention heads, 2 KV heads, MLP 128, context 1024
     tokens, tied embeddings, fp32 (~0.1 M parameters). Tokenizer: byte-level BPE with
-    ~768 tokens trained by ``tokenizers`` on ``asyncrl/assets/tiny_corpus.txt``, digits split
+    ~768 tokens trained by ``tokenizers`` on ``asyncrl/models/assets/tiny_corpus.txt``, digits split
     one per token, ChatML special tokens ``<|endoftext|>`` (pad, id 0), ``<|im_start|>``
     (bos, 1), ``<|im_end|>`` (eos, 2) and a ChatML chat template. Files: ``config.json``,
     ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``,

@@ -46,7 +46,7 @@ async def run_reward_model_server(cfg: Any, stop: asyncio.Event | None = None,
 
     from asyncrl.metrics import role_registry
     from asyncrl.models import resolve_model_path
-    from asyncrl.net import free_port
+    from asyncrl.core.net import free_port
     from asyncrl.reward_model.server import RewardModelOptions, RewardModelServer
 
     stop = stop or asyncio.Event()
@@ -81,8 +81,8 @@ async def run_reward_model_server(cfg: Any, stop: asyncio.Event | None = None,
 
 def main(argv: list[str]) -> int:
     """Entry point of ``asyncrl reward-model``; returns the exit code."""
-    from asyncrl.config import ConfigError
-    from asyncrl.config_cli import config_from_argv
+    from asyncrl.core.config import ConfigError
+    from asyncrl.core.config_cli import config_from_argv
     from asyncrl.models import ModelNotFoundError
 
     cfg = config_from_argv(list(argv), "reward-model")

@@ -101,7 +101,7 @@ class RewardModelOptions:
     def from_config(cls, cfg: Any, model_path: str) -> "RewardModelOptions":
         """From the whole config (``reward.model`` and, when required, ``security.api_key``)."""
         rm = cfg.reward.model
-        from asyncrl.secret_values import reveal
+        from asyncrl.core.secret_values import reveal
 
         key = reveal(cfg.security.api_key) if rm.api_key_required else None
         return cls(model_path=model_path, host=rm.host, port=rm.port, label_index=rm.label_index,

@@ -147,7 +147,7 @@ local function one(sid, token, kind, value, advk, adv, info)
     redis.call('HSET', sk, 'status', 'failed', 'error', value, 'claim', '', 'updated', NOW)
     nf = nf + 1
     stat('failed_samples')
-    -- by reason: a user reward function that timed out (asyncrl.rewards.RewardTimeout) or any other failure
+    -- by reason: a user reward function that timed out (asyncrl.tasks.rewards.RewardTimeout) or any other failure
     -- or a reward model that failed (asyncrl.reward_model.RewardModelError)
     if string.sub(value, 1, 14) == 'RewardTimeout:' then stat('failed_samples:reward_timeout')
     elseif string.sub(value, 1, 14) == 'WorkflowError:' then stat('failed_samples:workflow_error')

@@ -15,7 +15,7 @@ import asyncio
 import sys
 
 from common import SETTINGS, Crasher, expected_tokens, open_buffer, retry, reward_fails
-from asyncrl.types import WorkKind
+from asyncrl.core.types import WorkKind
 from buffers import BufferError
 
 

@@ -4,7 +4,7 @@ Run per episode by the rollout worker (``agent.harness_command``, docs/agents.md
 agents"), with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``ASYNCRL_TASK`` in its environment.
 It does what the built-in ``arithmetic_retry`` does: ask the problem (the task's ``messages``,
 whose trailing assistant message is the prefill ``"82 + 2 ="``), check the answer with
-:func:`asyncrl.rewards.check_answer` against the gold answer; if it is wrong, say
+:func:`asyncrl.tasks.rewards.check_answer` against the gold answer; if it is wrong, say
 "Wrong answer. Try again." and re-open the turn with the same prefill, up to ``max_turns``
 calls; then post the reward ``turn_discount ** (k - 1)`` for a correct answer at call k (else 0)
 to ``/v1/episode/reward`` and exit. It is deterministic given the task and the replies, so an
@@ -23,7 +23,7 @@ import urllib.request
 
 from openai import OpenAI
 
-from asyncrl.rewards import check_answer
+from asyncrl.tasks.rewards import check_answer
 
 FEEDBACK = "Wrong answer. Try again."
 DISCOUNT = 0.8

@@ -2,7 +2,7 @@
 # Start the run's redis-server with one ACL user per role (docs/security.md), no password on any
 # command line: users.acl holds SHA-256 hashes of the passwords from the environment (Secret
 # asyncrl-secrets: REDIS_PASSWORD for the admin `default` user, REDIS_<ROLE>_PASSWORD per role),
-# the rules come from redis-acl.rules (`python -m asyncrl.redis_acl`). Both files are 0600.
+# the rules come from redis-acl.rules (`python -m asyncrl.controller.redis_acl`). Both files are 0600.
 # Paths: ACL_RULES (default /etc/asyncrl-redis/redis-acl.rules), RUN_DIR (/run/redis), DATA_DIR (/data).
 set -eu
 umask 077
