@@ -113,7 +113,7 @@ def test_feeder_process_feeds_and_stops_on_sigterm(cfg, tiny_model_dir, redis_ur
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out
-        assert "stopped after feeding 6 groups; cursor 6" in out
+        assert "stopped after feeding 6 groups and skipping 0 prompts (0 predicted zero-variance); cursor 6" in out
     finally:
         proc.kill()
 
