@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit  # noqa: E402  (bench/_report.py: print the result, keep it as JSON)
 
 _OPERANDS = re.compile(r"(\d+)\s*\+\s*(\d+)")
 _NUMBER = re.compile(r"-?\d+")
@@ -107,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         result = probe(args.model, args.config, args.num_problems)
     except ValueError as exc:
         ap.error(str(exc))
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(result, args.json)
     return 0
 
 

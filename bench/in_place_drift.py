@@ -26,13 +26,14 @@ Usage: ``python bench/in_place_drift.py --old runs/X/weights/v000016 --new runs/
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit  # noqa: E402  (bench/_report.py: print the result, keep it as JSON)
 
 
 def _token_logprobs(logits_LV, targets_L):
@@ -128,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         result = drift(args.old, args.new, args.config, args.num_problems, splits, args.max_new_tokens)
     except ValueError as exc:
         ap.error(str(exc))
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(result, args.json)
     return 0
 
 
