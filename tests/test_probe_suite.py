@@ -191,7 +191,7 @@ def test_cumulative_stream_costs_a_bounded_multiple_of_its_response(srv):
     assert streamed <= 10 * len(raw), (streamed, len(raw))
 
 
-def test_a_maximal_request_delays_small_ones_by_a_bounded_factor(srv):
+def test_small_requests_never_wait_for_a_maximal_one(srv):
     """Fairness: 8 small requests beside the largest admissible one (12 samples streaming 151
     tokens with 20 top logprobs each, a second one queued behind it) finish in less than half the
     big request's time: they do not wait for it (without the fair reserve the two big ones held
