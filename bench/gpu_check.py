@@ -489,8 +489,8 @@ def run_stage(stage: Stage, ctx: Ctx, budget_left: float) -> dict[str, Any]:
         if stage.name == "main_job" and rec["result"] is None:
             try:
                 rec["result"] = _main_job_collect(ctx, log)
-            except Exception:
-                pass
+            except Exception as exc:  # the run died before writing its records: say so in the report
+                rec["error"] = rec["error"] or f"collecting the main job's records: {type(exc).__name__}: {exc}"
         rec["ok"] = rec["error"] is None
         if not rec["ok"]:
             rec["log_tail"] = log[-3000:]
