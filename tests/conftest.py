@@ -131,3 +131,13 @@ def prometheus_server(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+def load_bench(name: str):
+    """Import ``bench/<name>.py`` (the benchmark scripts are not a package) and return the module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

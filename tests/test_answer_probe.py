@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import load_bench
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,10 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def ap():
-    spec = importlib.util.spec_from_file_location("answer_probe", ROOT / "bench" / "answer_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("answer_probe")
 
 
 @pytest.mark.parametrize("a, b, answer, kind", [

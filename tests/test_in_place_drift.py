@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import load_bench
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,10 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def mod():
-    spec = importlib.util.spec_from_file_location("in_place_drift", ROOT / "bench" / "in_place_drift.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+    return load_bench("in_place_drift")
 
 
 @pytest.fixture

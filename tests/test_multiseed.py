@@ -3,21 +3,18 @@ and the seed plumbing it relies on (``run.seed`` varies sampling, ``data.seed`` 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def ms():
-    spec = importlib.util.spec_from_file_location("multiseed", ROOT / "bench" / "multiseed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("multiseed")
 
 
 def _curve(points):
