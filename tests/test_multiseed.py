@@ -4,12 +4,10 @@ and the seed plumbing it relies on (``run.seed`` varies sampling, ``data.seed`` 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from conftest import load_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
