@@ -87,6 +87,8 @@ def init_distributed() -> tuple[int, int]:
     """Initialise torch.distributed from the launcher's environment (torchrun / deepspeed).
 
     A single process without ``RANK``/``WORLD_SIZE`` gets a one-rank gloo group on a free port.
+    On CPU, a stale JIT-build lock of DeepSpeed's shm op is removed first
+    (:func:`trainer.jit_lock.clear_stale_jit_lock`).
 
     Returns:
         ``(rank, world_size)``.
@@ -104,6 +106,12 @@ def init_distributed() -> tuple[int, int]:
         from deepspeed.accelerator import get_accelerator
 
         backend = "gloo" if get_accelerator().device_name() == "cpu" else None
+        if backend == "gloo":
+            # DeepSpeed JIT-loads its shm collective op here; a lock left by an interrupted
+            # build would make torch wait forever (trainer/jit_lock.py).
+            from trainer.jit_lock import clear_stale_jit_lock
+
+            clear_stale_jit_lock("deepspeed_shm_comm")
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
