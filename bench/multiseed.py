@@ -99,6 +99,34 @@ def time_to(curve: Sequence[dict], level: float, key: str = "minutes") -> float 
     return None
 
 
+def recipe_check(curve: Sequence[dict], minutes: float | None = None, reach: float = 0.80,
+                 hold_from: float = 0.70, floor: float = 0.65) -> dict:
+    """Issue 27's bar for a default recipe, on one run's held-out curve.
+
+    The run *reaches* when an evaluation within ``minutes`` of training (all of them when None)
+    is >= ``reach``; it *holds* when, after its first evaluation >= ``hold_from``, no later
+    evaluation is below ``floor``.
+
+    Args:
+        curve: evaluations in training order, each ``{"minutes", "step", "accuracy"}``.
+        minutes: the training-time limit of the reach test (training wall minutes).
+        reach, hold_from, floor: accuracies in [0, 1].
+
+    Returns:
+        ``{"reached_at": minutes or None, "lowest_after": accuracy or None (no evaluation after
+        the first >= hold_from), "lowest_after_step", "holds": bool, "passes": bool}``.
+    """
+    pts = [p for p in curve if minutes is None or p["minutes"] <= minutes + 1e-9]
+    reached_at = next((p["minutes"] for p in pts if p["accuracy"] >= reach), None)
+    first = next((i for i, p in enumerate(curve) if p["accuracy"] >= hold_from), None)
+    later = curve[first + 1:] if first is not None else []
+    low = min(later, key=lambda p: p["accuracy"]) if later else None
+    holds = low is None or low["accuracy"] >= floor
+    return {"reached_at": reached_at, "lowest_after": None if low is None else low["accuracy"],
+            "lowest_after_step": None if low is None else low["step"], "holds": holds,
+            "passes": holds and reached_at is not None}
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -179,15 +207,19 @@ def bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], n_
     return {"ratio": _mean(numerator) / _mean(denominator), "ci_low": lo, "ci_high": hi, "n": len(numerator)}
 
 
-def arm_stats(runs: Sequence[dict], key: str = "step") -> dict:
+def arm_stats(runs: Sequence[dict], key: str = "step", minutes: float | None = None) -> dict:
     """Statistics of one arm's runs (see the module docstring).
 
     Args:
         runs: the arm's run records (``curve``, ``seed``, ``train_minutes``), one per seed.
+        key: what the band lines up on (``step``: also for timed runs, whose evaluations fall on
+            the same steps; their last, end-of-time evaluation is in ``final``).
+        minutes: the runs' training-time limit, for :func:`recipe_check`.
 
     Returns:
-        ``{"seeds", "band", "time_to", "best"}``: the seeds, :func:`curve_band`, per-level lists
-        of each seed's minutes to the level (None: never), and each seed's best accuracy.
+        ``{"seeds", "band", "time_to", "best", "final", "recipe"}``: the seeds, :func:`curve_band`,
+        per-level lists of each seed's minutes to the level (None: never), each seed's best
+        accuracy, its last evaluation, and its :func:`recipe_check`.
     """
     runs = sorted(runs, key=lambda r: r["seed"])
     return {
@@ -195,6 +227,9 @@ def arm_stats(runs: Sequence[dict], key: str = "step") -> dict:
         "band": curve_band([r["curve"] for r in runs], key),
         "time_to": {f"{round(lv * 100)}%": [time_to(r["curve"], lv) for r in runs] for lv in THRESHOLDS},
         "best": [max(p["accuracy"] for p in r["curve"]) for r in runs],
+        "final": [{"step": r["curve"][-1]["step"], "minutes": r["curve"][-1]["minutes"],
+                   "accuracy": r["curve"][-1]["accuracy"]} for r in runs],
+        "recipe": [recipe_check(r["curve"], minutes) for r in runs],
     }
 
 
@@ -233,12 +268,14 @@ def time_ratio(ref_runs: Sequence[dict], arm_runs: Sequence[dict], level: float,
 def compute_stats(report: dict) -> dict:
     """Every arm's :func:`arm_stats` and, against the first arm listed in ``report["arms"]``, the
     ratios of times to each threshold and to the reference arm's mean best (in place; returned)."""
-    key = "step" if report["settings"].get("steps") else "minutes"
+    # Timed runs evaluate on the same steps too (every eval_every): line them up by step.
+    key = "step"
+    minutes = report["settings"].get("minutes")
     by_arm: dict[str, list[dict]] = {}
     for r in report["runs"]:
         by_arm.setdefault(r["arm"], []).append(r)
     arms = [a for a in report["arms"] if a in by_arm] + sorted(set(by_arm) - set(report["arms"]))
-    stats: dict[str, Any] = {"arms": {a: arm_stats(by_arm[a], key) for a in arms}}
+    stats: dict[str, Any] = {"arms": {a: arm_stats(by_arm[a], key, minutes) for a in arms}}
     if len(arms) > 1:
         ref = arms[0]
         ratios: dict[str, Any] = {}
@@ -395,12 +432,14 @@ def run_diagnostics(run: dict) -> dict | None:
 def markdown(report: dict) -> str:
     """The statistics as markdown tables: held-out accuracy per evaluation (mean [min, max] over
     seeds, then each seed), times to 60/70/80% per seed, and the bootstrap ratios."""
-    key = "step" if report["settings"].get("steps") else "minutes"
+    key = "step"
+    timed = report["settings"].get("minutes")
     st = report["stats"]
     arms = list(st["arms"])
     xs = sorted(set.intersection(*({b[key] for b in st["arms"][a]["band"]} for a in arms))) if arms else []
-    fmt = (lambda x: f"step {x}") if key == "step" else (lambda x: f"{x:.1f} min")
-    lines = ["| arm (seeds) | " + " | ".join(fmt(x) for x in xs) + " |", "|---|" + "---|" * len(xs)]
+    fmt = lambda x: f"step {x}"  # noqa: E731
+    end = [f"end of {timed:g} min: step, % (each seed)"] if timed else []
+    lines = ["| arm (seeds) | " + " | ".join([fmt(x) for x in xs] + end) + " |", "|---|" + "---|" * (len(xs) + len(end))]
     for a in arms:
         band = {b[key]: b for b in st["arms"][a]["band"]}
         cells = []
@@ -408,6 +447,10 @@ def markdown(report: dict) -> str:
             b = band[x]
             cells.append(f"{100 * b['mean']:.1f} [{100 * b['min']:.1f}, {100 * b['max']:.1f}] "
                          f"({', '.join(f'{100 * v:.1f}' for v in b['values'])})")
+        if timed:
+            fin = st["arms"][a]["final"]
+            cells.append(f"{100 * _mean([f['accuracy'] for f in fin]):.1f} ("
+                         + ", ".join(f"{f['step']}: {100 * f['accuracy']:.1f}" for f in fin) + ")")
         lines.append(f"| {a} ({', '.join(map(str, st['arms'][a]['seeds']))}) | " + " | ".join(cells) + " |")
     lines += ["", "| arm | minutes to 60% (each seed) | to 70% | to 80% | best (each seed) |", "|---|---|---|---|---|"]
     for a in arms:
@@ -415,6 +458,15 @@ def markdown(report: dict) -> str:
         cell = (lambda ts: ", ".join("never" if t is None else f"{t:.1f}" for t in ts))
         lines.append(f"| {a} | {cell(tt['60%'])} | {cell(tt['70%'])} | {cell(tt['80%'])} | "
                      + ", ".join(f"{100 * v:.1f}" for v in st["arms"][a]["best"]) + " |")
+    if timed:
+        lines += ["", f"| arm | seeds reaching 80% within {timed:g} min | seeds holding (no evaluation < 65% after the "
+                  "first >= 70%) | lowest evaluation after the first >= 70% (each seed: %, step) |", "|---|---|---|---|"]
+        for a in arms:
+            rc = st["arms"][a]["recipe"]
+            lows = ", ".join("—" if c["lowest_after"] is None else f"{100 * c['lowest_after']:.1f} ({c['lowest_after_step']})"
+                             for c in rc)
+            lines.append(f"| {a} | {sum(c['reached_at'] is not None for c in rc)} of {len(rc)} | "
+                         f"{sum(c['holds'] for c in rc)} of {len(rc)} | {lows} |")
     lines += ["", "| run | lowest train reward after step 8 (step) | largest behaviour KL (step) | entropy, steps 9-12 "
               "| largest importance weight | clip fraction, max | zero-variance groups | restarted samples |",
               "|---|---|---|---|---|---|---|---|"]

@@ -225,3 +225,32 @@ def test_run_diagnostics_reads_the_step_records(ms):
     assert d["entropy_steps_9_12"] == pytest.approx(0.4) and d["max_importance_weight"] == 21.0
     assert d["zero_variance_share"] == 0.6 and d["restarts"] == 7
     assert ms.run_diagnostics({"steps": []}) is None
+
+
+def test_recipe_check_reach_within_the_time_and_hold_after_70(ms):
+    ok = _curve([(0, 0.0, 0.15), (25, 4.0, 0.76), (50, 8.0, 0.83), (67, 10.0, 0.88)])
+    assert ms.recipe_check(ok, minutes=10) == {"reached_at": 8.0, "lowest_after": 0.83, "lowest_after_step": 50,
+                                               "holds": True, "passes": True}
+    fell = _curve([(0, 0.0, 0.15), (25, 4.0, 0.85), (50, 8.0, 0.34)])
+    assert ms.recipe_check(fell, minutes=10)["holds"] is False
+    assert ms.recipe_check(fell, minutes=10)["passes"] is False
+    late = _curve([(0, 0.0, 0.15), (25, 6.0, 0.72), (50, 11.0, 0.85)])  # 80% only after the limit
+    assert ms.recipe_check(late, minutes=10)["reached_at"] is None
+    assert ms.recipe_check(late)["reached_at"] == 11.0  # no limit: every evaluation counts
+    never70 = _curve([(0, 0.0, 0.15), (25, 6.0, 0.55)])
+    assert ms.recipe_check(never70, minutes=10) == {"reached_at": None, "lowest_after": None,
+                                                    "lowest_after_step": None, "holds": True, "passes": False}
+
+
+def test_timed_runs_line_up_by_step_and_report_the_recipe(ms):
+    runs = [{"arm": "a", "seed": s, "train_minutes": 10.0, "steps": [], "curve": c} for s, c in (
+        (1, _curve([(0, 0.0, 0.15), (25, 4.0, 0.76), (50, 8.0, 0.83), (67, 10.0, 0.88)])),
+        (2, _curve([(0, 0.0, 0.16), (25, 5.0, 0.85), (50, 10.0, 0.34)])))]
+    report = ms.compute_stats({"settings": {"steps": None, "minutes": 10, "eval_every": 25}, "arms": ["a"], "runs": runs})
+    a = report["stats"]["arms"]["a"]
+    assert [b["step"] for b in a["band"]] == [0, 25, 50]
+    assert a["final"] == [{"step": 67, "minutes": 10.0, "accuracy": 0.88}, {"step": 50, "minutes": 10.0, "accuracy": 0.34}]
+    assert [r["passes"] for r in a["recipe"]] == [True, False]
+    md = ms.markdown(report)
+    assert "| step 0 | step 25 | step 50 | end of 10 min" in md
+    assert "| a | 2 of 2 | 1 of 2 | 83.0 (50), 34.0 (50) |" in md
