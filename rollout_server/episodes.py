@@ -126,7 +126,7 @@ class _LiveCalls:
         room = w.settings.max_response_len - self.length
         if room <= 0:
             raise TokenLimit(f"sample {item.sample_id}: {self.length} tokens = max_response_len")
-        budget = self.budget.left(w.settings.max_budget_tokens)
+        budget = self.budget.left(w.settings.max_budget)
         if budget <= 0:
             await self._park("budget", "budget")
         n = min(int(max_new_tokens), room, budget)

@@ -54,7 +54,7 @@ async def _check_window(buf: ReplayBuffer, sid: str, py: VersionBudget, clock_at
 @pytest.mark.parametrize("case", list(CASES))
 async def test_python_window_is_the_buffers(case, redis_url):
     settings = BufferSettings(rollout_batch_size=1, train_batch_groups=1, n_samples_per_prompt=1,
-                              max_budget_tokens=M, max_response_len=L, max_staleness=2)
+                              max_budget=M, max_response_len=L, max_staleness=2)
     async with await ReplayBuffer.open(redis_url, "budget", settings) as buf:
         await buf.feed([buf.make_group("g0", [1, 2, 3])], 0)
         [item] = await buf.claim("w", 1)
@@ -103,3 +103,63 @@ def test_counting_rule_by_hand():
     assert (b.version, b.used, b.left(4)) == (3, 2, 2)
     b.count([3, 3, 3])
     assert b.left(4) == 0 and b.used == 5  # spent: the buffer parks it at the budget
+
+
+# ------------------------------------------------------------------------------------------------
+# one name: ``max_budget`` from the flag to BufferSettings; runs keep storing ``max_budget_tokens``
+
+#: The settings JSON the release before the rename (64edcbf) stored for these settings, byte for byte.
+STORED_BEFORE_RENAME = (
+    '{"batches_per_version": 1, "dynamic_sampling": false, "flush_tokens": 16, "generation_size": 0, '
+    '"lease_seconds": 30.0, "max_budget_tokens": 3, "max_response_len": 16, "max_staleness": 1, '
+    '"n_samples_per_prompt": 2, "record_pass_rates": false, "record_prompt_history": false, '
+    '"rollout_batch_size": 2, "stale_policy": "restart", "train_batch_groups": 2}')
+
+
+def _renamed_settings() -> BufferSettings:
+    return BufferSettings(rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=2, max_budget=3,
+                          max_response_len=16, max_staleness=1)
+
+
+def test_stored_settings_are_unchanged_by_the_rename():
+    """New runs store what old releases read, and old runs read back as the same settings."""
+    s = _renamed_settings()
+    assert s.to_json() == STORED_BEFORE_RENAME
+    assert BufferSettings.from_stored(STORED_BEFORE_RENAME) == s
+    assert s.to_stored()["max_budget_tokens"] == 3 and "max_budget" not in s.to_stored()
+    assert BufferSettings.from_stored({**s.to_stored()}) == s
+    both = {**s.to_stored(), "max_budget": 3}
+    with pytest.raises(ValueError, match="twice"):
+        BufferSettings.from_stored(both)
+    with pytest.raises(TypeError):
+        BufferSettings.from_stored({**s.to_stored(), "max_budget_token": 3})
+
+
+async def test_a_run_stored_before_the_rename_resumes(redis_url):
+    """A keyspace as the release before the rename left it (a budget-parked sample, the old settings
+    JSON) is opened by this release's roles, resumed under the next version, and stays readable by
+    the old one (its stored settings are untouched)."""
+    import redis.asyncio as aioredis
+
+    from buffers.keys import SCHEMA_VERSION, key_prefix
+
+    raw = aioredis.Redis.from_url(redis_url)
+    prefix = key_prefix("old")
+    await raw.set(prefix + "schema", SCHEMA_VERSION)
+    await raw.set(prefix + "settings", STORED_BEFORE_RENAME)
+    async with await ReplayBuffer.open(redis_url, "old", _renamed_settings()) as buf:
+        await buf.feed([buf.make_group("g0", [1, 2, 3])], 0)
+        a, b = await buf.claim("w", 2)
+        assert a.max_new_tokens == 3
+        assert await buf.end_segment(a, "length", [11, 12, 13], [-0.1] * 3, [0] * 3) == SampleStatus.PARTIAL
+    # a restarted role, and a read-only tool, open the same run
+    async with await ReplayBuffer.open(redis_url, "old") as tool:
+        assert tool.settings == _renamed_settings()
+        assert (await tool.stats())["settings"]["max_budget_tokens"] == 3  # `asyncrl buffer stats` as before
+    async with await ReplayBuffer.open(redis_url, "old", _renamed_settings()) as buf:
+        await buf.clock.publish(1, "file:///w/1", "c1")
+        [again] = await buf.claim("w", 1)
+        assert again.sample_id == a.sample_id and again.response_ids == [11, 12, 13]
+        assert again.max_new_tokens == 3 and again.produced_under_version_tokens == 0
+    assert (await raw.get(prefix + "settings")).decode() == STORED_BEFORE_RENAME
+    await raw.aclose()
