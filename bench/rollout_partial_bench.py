@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             srv.stop()
         redis.kill()
     by = {r["mode"]: r for r in results}
-    out: dict[str, Any] = {"model": str(path), "threads": a.threads, "sequential": a.sequential, "inflight": a.inflight,
+    from bench._report import record_path
+
+    out: dict[str, Any] = {"model": record_path(path), "threads": a.threads, "sequential": a.sequential, "inflight": a.inflight,
                            "rollout_batch_size": a.rollout_batch_size, "n_samples": a.n_samples,
                            "max_response_len": a.max_response_len, "length_distribution": dist,
                            "pareto": {"x_m": a.min_len, "alpha": a.alpha}, "train_seconds": a.train_seconds,
