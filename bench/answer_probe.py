@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit  # noqa: E402  (bench/_report.py: print the result, keep it as JSON)
+from _report import emit, record_path  # noqa: E402  (bench/_report.py: print the result, keep it as JSON)
 
 _OPERANDS = re.compile(r"(\d+)\s*\+\s*(\d+)")
 _NUMBER = re.compile(r"-?\d+")
@@ -93,7 +93,7 @@ def probe(model_dir: str, config: str, num_problems: int, max_new_tokens: int = 
                 examples.append([prefix, answer.strip()[:16], int(p.gold)])
     n = sum(b["n"] for b in by_kind.values())
     correct = sum(b["correct"] for b in by_kind.values())
-    return {"model": str(model_dir), "n": n, "accuracy": correct / n if n else 0.0,
+    return {"model": record_path(model_dir), "n": n, "accuracy": correct / n if n else 0.0,
             "by_kind": {k: dict(v) for k, v in by_kind.items()}, "errors": dict(errors), "examples": examples}
 
 

@@ -45,7 +45,7 @@ def response_length(rng: random.Random) -> int:
 async def lifecycle(url: str, run: str, workers: int, seconds: float, seed: int) -> dict:
     settings = BufferSettings(
         rollout_batch_size=max(8, workers), train_batch_groups=max(1, workers // 8),
-        n_samples_per_prompt=8, max_budget_tokens=MAX_LEN, max_response_len=MAX_LEN, max_staleness=1000,
+        n_samples_per_prompt=8, max_budget=MAX_LEN, max_response_len=MAX_LEN, max_staleness=1000,
         stale_policy="keep", lease_seconds=60, flush_tokens=CHUNK,
     )
     buf = await ReplayBuffer.open(url, run, settings, max_connections=workers + 8)

@@ -89,9 +89,11 @@ def main() -> int:
     problems = load_task(cfg.data).heldout(args.num_problems)
     max_new = cfg.rollout.max_response_len
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from bench._report import record_path
+
     out: dict = {
         "config": str(Path(args.config).relative_to(REPO)) if Path(args.config).resolve().is_relative_to(REPO) else args.config,
-        "model": cfg.model.path, "num_problems": len(problems), "max_new_tokens": max_new, "seed": args.seed,
+        "model": record_path(cfg.model.path), "num_problems": len(problems), "max_new_tokens": max_new, "seed": args.seed,
         "threads": args.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "commit": commit, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "baseline": f"{runs[0][0]}:{runs[0][1]}", "modes": {},

@@ -674,11 +674,32 @@ def main(argv: list[str] | None = None) -> int:
     problems = validate_report(report)
     if problems:  # a bug in this script: still write what there is
         report["shape_problems"] = problems
+    report = portable_report(report, ctx, out_dir)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"gpu_check: wrote {path}", flush=True)
     print(json.dumps(report["summary"], indent=2, default=str), flush=True)
     shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the shaped model (~540 MB), run checkpoints
     return 0
+
+
+def portable_report(report: dict[str, Any], ctx: Ctx, out_dir: Path) -> dict[str, Any]:
+    """``report`` without the measuring machine's paths (bench/_report.py ``portable``).
+
+    The report's folder becomes relative paths (``logs-<stamp>/decode.log``), the repository
+    too (``bench/rollout_bench.py``), the deleted work directory ``<work>``, ``--wheels``
+    ``<wheels>``, the interpreter ``python`` and the home directory ``~``.
+    """
+    bench_dir = str(Path(__file__).resolve().parent)
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    from _report import portable
+
+    roots: dict[Any, str] = {ctx.work_dir: "<work>", out_dir: "", REPO: "", ctx.python: "python",
+                             sys.executable: "python", Path.home(): "~"}
+    if ctx.args.wheels is not None:
+        roots[Path(ctx.args.wheels).resolve()] = "<wheels>"
+        roots[ctx.args.wheels] = "<wheels>"
+    return portable(report, {os.path.abspath(os.fspath(k)): v for k, v in roots.items()})
 
 
 class _DryCtx(Ctx):

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit  # noqa: E402  (bench/_report.py: print the result, keep it as JSON)
+from _report import emit, record_path  # noqa: E402  (bench/_report.py: print the result, keep it as JSON)
 
 
 def _token_logprobs(logits_LV, targets_L):
@@ -109,7 +109,7 @@ def drift(old_dir: str, new_dir: str, config: str, num_problems: int, splits: li
                 acc[k]["mixed"] += _token_logprobs(logits, targets[k:]).tolist()
                 acc[k]["new"] += lp_b[k:].tolist()
                 acc[k]["old"] += lp_a[k:].tolist()
-    return {"old": str(old_dir), "new": str(new_dir), "n": len(problems),
+    return {"old": record_path(old_dir), "new": record_path(new_dir), "n": len(problems),
             "splits": {str(k): {"mixed_vs_new": _stats(v["mixed"], v["new"]), "old_vs_new": _stats(v["old"], v["new"])}
                        for k, v in acc.items()}}
 

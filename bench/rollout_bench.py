@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if srv is not None:
             srv.stop()
-    result = {"model": str(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": a.threads,
+    from bench._report import record_path
+
+    result = {"model": record_path(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": a.threads,
               "streaming": "cumulative" if a.cumulative else "incremental",
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
     if a.device != "cpu" or a.dtype != "float32":

@@ -109,11 +109,11 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
     pause_mode = "abort" if mode.endswith("_abort") else a.pause_mode
     if mode.startswith("partial"):
         settings = BufferSettings.from_partial_percent(
-            a.rollout_batch_size, a.partial_percent, n_samples_per_prompt=a.n_samples, max_budget_tokens=a.max_budget,
+            a.rollout_batch_size, a.partial_percent, n_samples_per_prompt=a.n_samples, max_budget=a.max_budget,
             max_response_len=L, max_staleness=a.partial_staleness, lease_seconds=30.0, flush_tokens=16)
     else:
         settings = BufferSettings.from_partial_percent(
-            a.rollout_batch_size, 1.0, n_samples_per_prompt=a.n_samples, max_budget_tokens=L,
+            a.rollout_batch_size, 1.0, n_samples_per_prompt=a.n_samples, max_budget=L,
             max_response_len=L, max_staleness=0, lease_seconds=30.0, flush_tokens=16)
     run = f"bench-{mode}-{os.getpid()}"
     buf = await ReplayBuffer.open(redis_url, run, settings)
@@ -139,7 +139,7 @@ async def run_mode(mode: str, a: Any, url: str, redis_url: str, tokenizer: Any, 
     client = EngineClient(url)
     await client.update_weights_from_disk(str(weights_dir / "v000000"), weight_version="0")
     worker = Worker(buf, client, RewardScorer("format"), tokenizer, opts)
-    result = {"mode": mode, "pause_mode": pause_mode, "train_batch_groups": settings.train_batch_groups, "max_budget": settings.max_budget_tokens,
+    result = {"mode": mode, "pause_mode": pause_mode, "train_batch_groups": settings.train_batch_groups, "max_budget": settings.max_budget,
               "max_staleness": settings.max_staleness, "batches": 0, "samples": 0, "tokens": 0,
               "staleness": [], "batch_times": []}
 
@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             srv.stop()
         redis.kill()
     by = {r["mode"]: r for r in results}
-    out: dict[str, Any] = {"model": str(path), "threads": a.threads, "sequential": a.sequential, "inflight": a.inflight,
+    from bench._report import record_path
+
+    out: dict[str, Any] = {"model": record_path(path), "threads": a.threads, "sequential": a.sequential, "inflight": a.inflight,
                            "rollout_batch_size": a.rollout_batch_size, "n_samples": a.n_samples,
                            "max_response_len": a.max_response_len, "length_distribution": dist,
                            "pareto": {"x_m": a.min_len, "alpha": a.alpha}, "train_seconds": a.train_seconds,

@@ -194,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         loads.append(time.perf_counter() - t0)
 
+    from bench._report import record_path
+
     result = {
-        "model": args.model, "params": sum(p.numel() for p in base.parameters()), "threads": args.threads,
+        "model": record_path(args.model), "params": sum(p.numel() for p in base.parameters()), "threads": args.threads,
         "steps": args.steps, "samples_per_step": 2 * args.groups,
         "tokens_per_step": tokens, "trainer_step_seconds": t_tr, "plain_step_seconds": t_pl,
         "trainer_tokens_per_second": tokens / min(t_tr), "plain_tokens_per_second": tokens / min(t_pl),

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import emit  # bench/_report.py (the script's folder is on sys.path)
+from _report import emit, record_path  # bench/_report.py (the script's folder is on sys.path)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_flops(args.threads, d_model, d_ff)
     peak_best = max(peak.values())
 
-    result: dict = {"model": str(base_cfg.model.path), "threads": args.threads, "groups": args.groups,
+    result: dict = {"model": record_path(base_cfg.model.path), "threads": args.threads, "groups": args.groups,
                     "samples_per_group": args.samples, "response_tokens": [args.min_response, args.max_response],
                     "non_embedding_params": n_nonembed,
                     "matmul_flops_per_second": peak, "matmul_peak_flops_per_second": peak_best,

@@ -183,7 +183,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
                 )
             raw = await client.get(prefix + "settings")
             try:
-                stored_settings = BufferSettings(**json.loads(raw))
+                stored_settings = BufferSettings.from_stored(raw)
             except (TypeError, ValueError) as exc:
                 raise MalformedData(f"stored settings of run {run!r} cannot be read: {exc}") from None
             if settings is not None and settings != stored_settings:

@@ -9,7 +9,6 @@ whose ``redis``, ``prefix``, ``run`` and ``settings`` it reads; use it through t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from typing import Any
 
 from asyncrl.core.types import (
@@ -230,7 +229,7 @@ class BufferInspection:
             "committed_step": int(committed) if committed is not None else None,
             "counters": counters,
             "sampling": sampling_counts(counters),
-            "settings": asdict(self.settings),
+            "settings": self.settings.to_stored(),  # as stored: the budget as max_budget_tokens
         }
 
     async def books(self) -> dict[str, Any]:

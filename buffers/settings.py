@@ -4,6 +4,14 @@
 ``<prefix>settings`` (a mismatch is ``SettingsMismatch``) and what every Lua script receives as
 ``ARGV[3..11]`` (``lua/settings.lua``). The knobs' meaning is in
 docs/architecture.md#the-three-knobs; import them as ``from buffers import BufferSettings``.
+
+One field is stored under another name (:data:`STORED_NAMES`): the budget is ``max_budget`` here,
+as in the config (``rollout.max_budget``) and the flag (``--max_budget``), but every run's stored
+settings JSON, and ``asyncrl buffer stats``, keep its old name ``max_budget_tokens``. So a run
+created before the rename resumes unchanged, and a role of an older release (a rolling upgrade)
+still opens a run created by this one: the stored JSON is byte for byte what it always was.
+:meth:`BufferSettings.to_stored` and :meth:`BufferSettings.from_stored` are the only places that
+translate.
 """
 
 from __future__ import annotations
@@ -15,11 +23,14 @@ from typing import Any
 from asyncrl.core.types import REPORTED_FINISH_REASONS
 from buffers.errors import BadRequest
 
-__all__ = ["BufferSettings", "STALE_POLICIES", "FINISH_REASONS", "settings_fields"]
+__all__ = ["BufferSettings", "STALE_POLICIES", "FINISH_REASONS", "STORED_NAMES", "settings_fields"]
 
 STALE_POLICIES = ("restart", "drop", "keep")
 #: segment ends a worker may send with ``end_segment`` (``turn``: a model call of an episode ended)
 FINISH_REASONS = REPORTED_FINISH_REASONS  # asyncrl.core.types: the one finish-reason vocabulary
+#: field name -> the name it is stored under in a run's settings JSON (see the module docstring)
+STORED_NAMES = {"max_budget": "max_budget_tokens"}
+_FIELD_NAMES = {stored: name for name, stored in STORED_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -30,9 +41,8 @@ class BufferSettings:
         rollout_batch_size: R, cap on groups being generated (admitted, not yet READY).
         train_batch_groups: B = ceil(p * R), groups per train batch.
         n_samples_per_prompt: n, samples per group (default of :class:`PromptGroup`).
-        max_budget_tokens: M, new tokens per sample per policy version: the config's
-            ``rollout.max_budget`` (flag ``--max_budget``) under the name stored with the run in
-            Redis and shown by ``asyncrl buffer stats``, which therefore stays.
+        max_budget: M, new tokens per sample per policy version (``rollout.max_budget``, flag
+            ``--max_budget``); stored with the run as ``max_budget_tokens`` (:data:`STORED_NAMES`).
         max_response_len: hard cap on response tokens (finishes with ``length``).
         max_staleness: eta in policy versions.
         stale_policy: ``restart`` | ``drop`` | ``keep``.
@@ -61,7 +71,7 @@ class BufferSettings:
     rollout_batch_size: int = 16
     train_batch_groups: int = 16
     n_samples_per_prompt: int = 8
-    max_budget_tokens: int = 1024
+    max_budget: int = 1024
     max_response_len: int = 1024
     max_staleness: int = 0
     stale_policy: str = "restart"
@@ -78,7 +88,7 @@ class BufferSettings:
             ("rollout_batch_size", self.rollout_batch_size >= 1),
             ("train_batch_groups", 1 <= self.train_batch_groups <= self.rollout_batch_size),
             ("n_samples_per_prompt", 1 <= self.n_samples_per_prompt <= 1024),
-            ("max_budget_tokens", self.max_budget_tokens >= 1),
+            ("max_budget", self.max_budget >= 1),
             ("max_response_len", self.max_response_len >= 1),
             ("max_staleness", self.max_staleness >= 0),
             ("stale_policy", self.stale_policy in STALE_POLICIES),
@@ -107,7 +117,7 @@ class BufferSettings:
             rollout_batch_size=r.rollout_batch_size,
             train_batch_groups=r.train_batch_groups,
             n_samples_per_prompt=r.n_samples_per_prompt,
-            max_budget_tokens=r.max_budget,
+            max_budget=r.max_budget,
             max_response_len=r.max_response_len,
             max_staleness=b.max_staleness,
             stale_policy=policy,
@@ -134,7 +144,7 @@ class BufferSettings:
         """ARGV[3..11] of the buffer scripts (see ``lua/settings.lua``)."""
         return [
             self.rollout_batch_size, self.train_batch_groups, self.n_samples_per_prompt,
-            self.max_budget_tokens, self.max_response_len, self.max_staleness, self.stale_policy,
+            self.max_budget, self.max_response_len, self.max_staleness, self.stale_policy,
             int(round(self.lease_seconds * 1000)), self.batches_per_version,
         ]
 
@@ -143,9 +153,30 @@ class BufferSettings:
         """Samples generated per prompt group: G with best-of-n, else n."""
         return max(self.generation_size, self.n_samples_per_prompt)
 
+    def to_stored(self) -> dict[str, Any]:
+        """The settings as stored with the run: every field, under its stored name (:data:`STORED_NAMES`)."""
+        return {STORED_NAMES.get(k, k): v for k, v in asdict(self).items()}
+
     def to_json(self) -> str:
-        """Canonical JSON (stored as ``<prefix>settings``)."""
-        return json.dumps(asdict(self), sort_keys=True)
+        """Canonical JSON of :meth:`to_stored` (sorted keys), stored as ``<prefix>settings``."""
+        return json.dumps(self.to_stored(), sort_keys=True)
+
+    @classmethod
+    def from_stored(cls, raw: str | bytes | dict[str, Any]) -> "BufferSettings":
+        """Settings from a run's stored JSON (or its parsed object), read under the stored names.
+
+        Raises:
+            ValueError: not JSON, not an object, or a field given under both its names.
+            TypeError: an unknown or missing field.
+            BadRequest: a value out of range.
+        """
+        data = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+        if not isinstance(data, dict):
+            raise ValueError(f"stored settings must be a JSON object, got {type(data).__name__}")
+        both = [name for name, stored in STORED_NAMES.items() if name in data and stored in data]
+        if both:
+            raise ValueError(f"stored settings name {both} twice (as {[STORED_NAMES[n] for n in both]} too)")
+        return cls(**{_FIELD_NAMES.get(k, k): v for k, v in data.items()})
 
 
 def settings_fields() -> list[str]:

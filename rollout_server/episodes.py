@@ -46,6 +46,7 @@ from asyncrl.agents.workflow import (
     TokenLimit,
 )
 from asyncrl.core.types import SampleStatus, WorkItem, WorkKind
+from buffers.budget import VersionBudget
 from buffers.errors import VersionAhead
 from rollout_server.client import EngineError, EngineUnavailable
 from rollout_server.worker_options import WorkerError
@@ -90,25 +91,14 @@ class _LiveCalls:
         self.item = item
         self.length = item.length_tokens
         self.last_output: tuple[list[int], list[float], list[int]] | None = None
-        # per-version budget, tracked as the buffer does (asyncrl.core.types.WorkItem.max_new_tokens)
-        self._bver = item.clock_version
-        self._bused = item.produced_under_version_tokens
+        # the per-version budget, counted as the buffer counts it (buffers/budget.py)
+        self.budget = VersionBudget.from_claim(item)
         self.live_calls = 0
         self._traj = 0  # the trajectory being written (tags every append, docs/agents.md)
         # tokens of the current call already flushed to the buffer (returned with the call's output)
         self._stream_ids: list[int] = []
         self._stream_lps: list[float] = []
         self._stream_vers: list[int] = []
-
-    def _budget_left(self) -> int:
-        return max(0, self.w.settings.max_budget_tokens - self._bused)
-
-    def _count(self, versions: list[int]) -> None:
-        for tv in versions:
-            if tv > self._bver:
-                self._bver, self._bused = tv, 0
-            if tv == self._bver:
-                self._bused += 1
 
     async def _park(self, reason: str, why: str, ids=(), lps=(), vers=()) -> None:
         try:
@@ -136,7 +126,7 @@ class _LiveCalls:
         room = w.settings.max_response_len - self.length
         if room <= 0:
             raise TokenLimit(f"sample {item.sample_id}: {self.length} tokens = max_response_len")
-        budget = self._budget_left()
+        budget = self.budget.left(w.settings.max_budget)
         if budget <= 0:
             await self._park("budget", "budget")
         n = min(int(max_new_tokens), room, budget)
@@ -202,7 +192,7 @@ class _LiveCalls:
         except Exception as exc:
             raise _Abandon(exc) from exc
         self.length = item.length_tokens
-        self._count(vers)
+        self.budget.count(vers)
         w._count_tokens(len(ids))
         w.stats.segments += 1
         if status == SampleStatus.COMPLETE:  # the conversation reached max_response_len in this call
@@ -214,7 +204,7 @@ class _LiveCalls:
         self._stream_ids = self._stream_ids + ids
         self._stream_lps = self._stream_lps + lps
         self._stream_vers = self._stream_vers + vers
-        self._count(vers)
+        self.budget.count(vers)
         self.w._count_tokens(len(ids))
 
     async def observe(self, ids: list[int], version: int, trajectory: int = 0, kind: str = "obs") -> None:

@@ -32,7 +32,7 @@ HARNESS = str(Path(__file__).resolve().parent / "agent_harnesses.py")
 
 
 def _settings(**kw) -> BufferSettings:
-    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=64,
+    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget=64,
                 max_response_len=96, max_staleness=1, lease_seconds=3.0, flush_tokens=2)
     base.update(kw)
     return BufferSettings(**base)
@@ -259,7 +259,7 @@ async def test_harness_past_the_episode_timeout_is_killed(redis_url, server, tok
 async def test_interrupted_harness_episodes_resume_by_replay(redis_url, server, tokenizer):
     """M = 4 < a call's 6 tokens: calls are parked mid-way, the harness is killed and re-run, its
     earlier calls are answered from the record; no model token is generated twice."""
-    async with await ReplayBuffer.open(redis_url, "sess4", _settings(max_budget_tokens=4)) as buf:
+    async with await ReplayBuffer.open(redis_url, "sess4", _settings(max_budget=4)) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2)], 0)
         w = _worker(buf, server.url, tokenizer, [sys.executable, HARNESS, "plain"])
         stats = await _run_until(w, _ready(buf, 1), timeout_seconds=180)

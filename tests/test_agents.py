@@ -29,7 +29,7 @@ import agent_workflows
 
 
 def _settings(**kw) -> BufferSettings:
-    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=64,
+    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget=64,
                 max_response_len=96, max_staleness=1, lease_seconds=3.0, flush_tokens=2)
     base.update(kw)
     return BufferSettings(**base)
@@ -176,7 +176,7 @@ async def test_episode_token_identity_and_segments(redis_url, server, tokenizer)
 
 async def test_budget_interrupted_episodes_resume_without_regenerating(redis_url, server, tokenizer):
     """M = 4 < a call's 6 tokens: calls are parked mid-way and resumed by replay; no token is generated twice."""
-    async with await ReplayBuffer.open(redis_url, "ep2", _settings(max_budget_tokens=4)) as buf:
+    async with await ReplayBuffer.open(redis_url, "ep2", _settings(max_budget=4)) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "count"), {}, 2)], 0)
         w = _worker(buf, server.url, tokenizer, "agent_workflows:three_turns")
         stats = await _run_until(w, _ready(buf, 1))
@@ -219,7 +219,7 @@ async def test_workflow_error_fails_the_sample_with_its_reason(redis_url, server
 
 
 async def test_nondeterministic_workflow_is_detected_on_replay(redis_url, server, tokenizer):
-    async with await ReplayBuffer.open(redis_url, "ep5", _settings(max_budget_tokens=3)) as buf:
+    async with await ReplayBuffer.open(redis_url, "ep5", _settings(max_budget=3)) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "noise"), {}, 2)], 0)
         w = _worker(buf, server.url, tokenizer, "agent_workflows:unseeded")
 
@@ -455,7 +455,7 @@ async def test_opsd_scores_a_call_cut_by_the_token_limit(redis_url, server, toke
     over-long answers. Now the cut call gets its teacher-minus-student advantages."""
     from asyncrl.models import load_causal_lm
 
-    async with await ReplayBuffer.open(redis_url, "ep7c", _settings(max_response_len=6, max_budget_tokens=6)) as buf:
+    async with await ReplayBuffer.open(redis_url, "ep7c", _settings(max_response_len=6, max_budget=6)) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "go long"), {}, 2)], 0)
         w = _worker(buf, server.url, tokenizer, "agent_workflows:opsd_cut_by_the_token_limit")
         await _run_until(w, _ready(buf, 1))
@@ -538,7 +538,7 @@ async def test_two_trajectories_recorded_replayed_and_trained_apart(budget, redi
     from asyncrl.core.config import load_config
     from trainer.batch import prepare_batch
 
-    async with await ReplayBuffer.open(redis_url, f"ep9-{budget}", _settings(max_budget_tokens=budget)) as buf:
+    async with await ReplayBuffer.open(redis_url, f"ep9-{budget}", _settings(max_budget=budget)) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "solve"), {}, 2)], 0)
         w = _worker(buf, server.url, tokenizer, "agent_workflows:solver_and_judge")
         stats = await _run_until(w, _ready(buf, 1))

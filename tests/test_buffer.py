@@ -35,7 +35,7 @@ from buffers.cli import main as cli_main
 
 
 def settings(**kw) -> BufferSettings:
-    base = dict(rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=8,
+    base = dict(rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=2, max_budget=8,
                 max_response_len=16, max_staleness=1, stale_policy="restart", lease_seconds=30.0)
     base.update(kw)
     return BufferSettings(**base)
@@ -133,7 +133,7 @@ async def test_settings_validation_and_from_config():
         "weight_sync": {"interval": 2},
     })
     s = BufferSettings.from_config(cfg)
-    assert (s.rollout_batch_size, s.train_batch_groups, s.max_budget_tokens, s.max_response_len) == (8, 4, 64, 256)
+    assert (s.rollout_batch_size, s.train_batch_groups, s.max_budget, s.max_response_len) == (8, 4, 64, 256)
     assert (s.n_samples_per_prompt, s.max_staleness, s.stale_policy, s.lease_seconds, s.batches_per_version) == (4, 2, "drop", 5.0, 2)
     assert BufferSettings.from_partial_percent(16, 0.7).train_batch_groups == 12
     with pytest.raises(BadRequest):
@@ -285,7 +285,7 @@ async def test_append_exactly_once_and_errors(redis_url):
 
 async def test_end_segment_rules(redis_url):
     buf = await open_buf(redis_url, rollout_batch_size=3, train_batch_groups=3, n_samples_per_prompt=1,
-                         max_budget_tokens=4, max_response_len=6)
+                         max_budget=4, max_response_len=6)
     await feed(buf, 3)
     a, b, c = await buf.claim("w", 3)
     assert await gen(buf, a, 2, 0, "stop") == SampleStatus.COMPLETE
@@ -315,7 +315,7 @@ async def test_end_segment_rules(redis_url):
 async def test_budget_parked_resumes_under_same_version_when_idle(redis_url):
     # p = 1, one group, M < max_response_len: without idle resume this would deadlock
     buf = await open_buf(redis_url, rollout_batch_size=1, train_batch_groups=1, n_samples_per_prompt=2,
-                         max_budget_tokens=3, max_response_len=10, max_staleness=0)
+                         max_budget=3, max_response_len=10, max_staleness=0)
     await feed(buf, 2)
     items = await buf.claim("w", 4)
     assert len(items) == 2
@@ -608,7 +608,7 @@ async def test_synchronous_case_matches_plain_loop(redis_url):
     """p = 1, M >= max_response_len, eta = 0: batch k is exactly prompts k*R .. k*R + R - 1 in order."""
     R, n, steps = 3, 2, 4
     buf = await open_buf(redis_url, rollout_batch_size=R, train_batch_groups=R, n_samples_per_prompt=n,
-                         max_budget_tokens=16, max_response_len=16, max_staleness=0)
+                         max_budget=16, max_response_len=16, max_staleness=0)
     dataset = [f"p{i:03d}" for i in range(R * steps + 2)]
     await buf.feed([buf.make_group(g, [i + 1]) for i, g in enumerate(dataset)], 0)
     got = []

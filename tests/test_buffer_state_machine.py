@@ -49,7 +49,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(["restart", "drop", "keep"]))
     def setup(self, policy):
-        s = BufferSettings(rollout_batch_size=3, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=3,
+        s = BufferSettings(rollout_batch_size=3, train_batch_groups=2, n_samples_per_prompt=2, max_budget=3,
                            max_response_len=L, max_staleness=1, stale_policy=policy, lease_seconds=0.05)
         self.buf = self.run(ReplayBuffer.open(self.redis_url, f"sm{next(self.runs)}", s))
         self.fed: list[str] = []

@@ -147,3 +147,18 @@ def test_eval_modes_are_validated():
     for bad in ([], ["beam"]):
         with pytest.raises(ValidationError, match="eval_modes"):
             MonitoringConfig(eval_modes=bad)
+
+
+def test_eval_records_name_run_files_relative_to_the_runs_folder(tmp_path):
+    """eval/step-<k>.json names the published weights and eval/model as ``<run>/...`` (no absolute path of
+    the machine), and keeps a model name, a URI or a directory outside the run as given."""
+    from asyncrl.controller.controller_eval import record_path
+
+    run_dir = tmp_path / "runs" / "arith"
+    (run_dir / "weights" / "v000020").mkdir(parents=True)
+    (run_dir / "eval" / "model").mkdir(parents=True)
+    assert record_path(str(run_dir / "weights" / "v000020"), run_dir) == "arith/weights/v000020"
+    assert record_path(str(run_dir / "eval" / "model"), run_dir) == "arith/eval/model"
+    outside = tmp_path / "models" / "base"
+    for kept in ("smollm2-135m-instruct", "nccl://10.0.0.1:29500/v20", str(outside), "weights/v000020"):
+        assert record_path(kept, run_dir) == kept

@@ -80,7 +80,7 @@ async def test_rollout_tokens_per_second_spans_the_bursts_between_trainer_steps(
     from buffers import BufferSettings, ReplayBuffer
 
     buf = await ReplayBuffer.open(redis_url, "tps", BufferSettings(
-        rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=64,
+        rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget=64,
         max_response_len=64, max_staleness=2, stale_policy="restart", lease_seconds=600.0))
     await buf.feed([buf.make_group(group_id_for(c), [1, 2, 3], {}) for c in range(4)], 0)
     items = await buf.claim("w", 8)

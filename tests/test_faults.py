@@ -156,7 +156,7 @@ async def test_a_rollout_worker_logs_one_warning_per_redis_outage(redis_server, 
 
     tok = load_tokenizer(tiny_model_dir)
     settings = BufferSettings(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2,
-                              max_budget_tokens=400, max_response_len=400, max_staleness=1, lease_seconds=3.0,
+                              max_budget=400, max_response_len=400, max_staleness=1, lease_seconds=3.0,
                               flush_tokens=4)
     srv = await asyncio.get_running_loop().run_in_executor(
         None, lambda: start_embedded_server(tiny_model_dir, "--weight-version", "0"))

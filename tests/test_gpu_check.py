@@ -81,6 +81,12 @@ def test_dry_run_prints_the_plan_and_writes_a_dry_run_report(tmp_path):
     # the stages' own timeouts fit the budget (wheels aside: the budget then cuts the last one)
     assert sum(s.timeout for s in gc.STAGES if s.name != "wheels") <= gc.DEFAULT_BUDGET_SECONDS < 12 * 60
     assert not any(tmp_path.glob("logs-*")), "a dry run writes no logs"
+    # no path of this machine in the report: the repository, the report's folder, the work
+    # directory, the interpreter and the home directory are named by their role
+    text = path.read_text()
+    for local in (str(REPO), str(tmp_path), "/tmp/", sys.executable, str(Path.home()) + "/"):
+        assert local not in text, local
+    assert "<work>/runs" in text and "bench/rollout_bench.py" in text
     # a rerun adds a report, never overwrites one
     assert run("--dry-run", "--out-dir", str(tmp_path)).returncode == 0
     assert len(reports(tmp_path)) == 2
@@ -102,8 +108,10 @@ def test_failing_stage_is_recorded_and_the_check_goes_on(tmp_path):
     w = rep["stages"]["wheels"]
     assert w["ran"] is True and w["ok"] is False and w["returncode"] not in (0, None)
     assert "exit status" in w["error"] and w["command"][1:4] == ["-m", "pip", "install"]
-    assert Path(w["log"]).is_file() and w["log_tail"]
+    assert (out / w["log"]).is_file() and w["log_tail"]  # relative to the report's folder
     assert "bogus-0.0-py3-none-any.whl" in w["command"][-1]
+    assert w["command"][0] == "python" and w["command"][-1] == "<wheels>/bogus-0.0-py3-none-any.whl"
+    assert str(tmp_path) not in path.read_text()
     s = rep["stages"]["sglang"]
     if importlib.util.find_spec("sglang") is None:
         assert s == {"ran": False, "why": "python module 'sglang' is not importable"}

@@ -34,7 +34,7 @@ install_signal_handlers(stop)
 
 async def main():
     buf = await ReplayBuffer.open(url, run="outage", settings=BufferSettings(
-        rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=1, max_budget_tokens=8, max_response_len=8))
+        rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=1, max_budget=8, max_response_len=8))
     src = BufferBatchSource(buf, stop, outage_seconds=300.0, batch_wait_seconds=3600.0)
     src._batch_id = "batch-1"
     call = {"batch": lambda: src.next_batch(1), "ack": lambda: src.acknowledge(1),

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from asyncrl.core.config import dump_config, load_config
-from asyncrl.metrics.report import load_run, main, series, summarize, time_to_reach
+from asyncrl.metrics.report import load_run, main, panels_with_data, plot_runs, series, summarize, time_to_reach
 from asyncrl.metrics.tracking import MetricsLogger
 
 
@@ -123,6 +123,32 @@ def test_episode_rows(tmp_path):
     assert "| episode turns, first / last step | 2.95 / 1 |" in md
     assert "| episode tool calls, first / last step | 0.025 / 1 |" in md
     assert summarize(load_run(make_run(tmp_path / "plain")))["episode_turns_final"] is None
+
+
+def test_only_the_panels_a_run_has_data_for_are_drawn(tmp_path):
+    """A GRPO run gets no critic panel and a single-turn run no episode panel; PPO and agent runs get theirs;
+    overlaid runs get a panel when either has its data; a run that logged only rewards gets one panel."""
+    base = ["reward", "accuracy", "throughput", "staleness", "partial", "idle", "cpu"]
+    grpo = load_run(make_run(tmp_path / "grpo"))
+    ppo = load_run(make_run(tmp_path / "ppo", critic=True))
+    agents = load_run(make_run(tmp_path / "agents", episodes=True))
+    assert [p.name for p in panels_with_data([grpo])] == base
+    assert plot_runs([grpo], tmp_path / "grpo.png") == base
+    assert plot_runs([ppo], tmp_path / "ppo.png") == base + ["critic"]
+    assert plot_runs([agents], tmp_path / "agents.png") == base + ["episodes"]
+    assert plot_runs([grpo, ppo], tmp_path / "both.png") == base + ["critic"]
+    three_rows = _png_size(tmp_path / "grpo.png")
+    assert _png_size(tmp_path / "ppo.png") == three_rows  # 8 panels still fit 3 rows of 3
+    logger = MetricsLogger(tmp_path / "rewards", role="trainer")
+    for step in range(1, 6):
+        logger.log(step, {"reward/mean": 0.1 * step}, wall_seconds=10.0 * step)
+    logger.close()
+    assert plot_runs([load_run(tmp_path / "rewards")], tmp_path / "rewards.png") == ["reward"]
+    w, h = _png_size(tmp_path / "rewards.png")
+    assert h < three_rows[1] / 2 and w < three_rows[0] / 2  # one panel, not nine with eight empty
+    # through the CLI: the GRPO run's report.png is the seven-panel figure
+    assert main([str(grpo.run_dir)]) == 0
+    assert _png_size(grpo.run_dir / "report.png") == three_rows
 
 
 def test_compare_two_runs(tmp_path):

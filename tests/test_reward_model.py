@@ -383,7 +383,7 @@ def test_reward_model_failures_fail_the_sample_with_their_own_error(rm_server, s
 
 
 async def test_buffer_counts_reward_model_failures_on_their_own(redis_url):
-    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=2, max_budget_tokens=8,
+    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=2, max_budget=8,
                               max_response_len=16, max_staleness=1, lease_seconds=30.0)
     async with await ReplayBuffer.open(redis_url, "rmf", settings) as buf:
         await buf.feed([buf.make_group(g, [1, 2, 3], {}) for g in ("a", "b")], await buf.dataset_cursor())
@@ -443,7 +443,7 @@ async def test_worker_scores_samples_with_the_reward_model(redis_url, engine, rm
     from asyncrl.models import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
-    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=3, max_budget_tokens=12,
+    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=3, max_budget=12,
                               max_response_len=12, max_staleness=1, lease_seconds=10.0, flush_tokens=4)
     cfg = load_config(["--reward.model.url", rm_server.url, "--reward.model.output_scaling", "10",
                        "--reward.model.api_key_required", "true", "--security.api_key", KEY,
@@ -470,7 +470,7 @@ async def test_worker_fails_samples_when_the_reward_model_is_down(redis_url, eng
     from asyncrl.models import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
-    settings = BufferSettings(rollout_batch_size=1, train_batch_groups=1, n_samples_per_prompt=2, max_budget_tokens=6,
+    settings = BufferSettings(rollout_batch_size=1, train_batch_groups=1, n_samples_per_prompt=2, max_budget=6,
                               max_response_len=6, max_staleness=1, lease_seconds=10.0, flush_tokens=3)
     scorer = RewardScorer("format", reward_model=RewardModelClient(f"http://127.0.0.1:{free_port()}", timeout_seconds=2))
     async with await ReplayBuffer.open(redis_url, "rm-down", settings) as buf:

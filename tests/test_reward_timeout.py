@@ -84,7 +84,7 @@ def test_timeout_comes_from_the_config(sleepy_module):
 
 
 async def test_buffer_counts_reward_timeouts_on_their_own(redis_url):
-    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=2, max_budget_tokens=8,
+    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=2, max_budget=8,
                               max_response_len=16, max_staleness=1, lease_seconds=30.0)
     async with await ReplayBuffer.open(redis_url, "rto", settings) as buf:
         await buf.feed([buf.make_group(g, [1, 2, 3], {}) for g in ("a", "b")], await buf.dataset_cursor())
@@ -133,7 +133,7 @@ async def test_worker_fails_hung_samples_with_their_own_reason(redis_url, server
     from rollout_server.client import EngineClient
     from rollout_server.worker import RolloutWorker, WorkerOptions
 
-    settings = BufferSettings(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=6,
+    settings = BufferSettings(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget=6,
                               max_response_len=6, max_staleness=1, lease_seconds=3.0, flush_tokens=3)
     async with await ReplayBuffer.open(redis_url, "rto-worker", settings) as buf:
         prompt = list(tokenizer("two plus two")["input_ids"])

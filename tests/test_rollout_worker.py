@@ -32,7 +32,7 @@ TEMPERATURE = 0.7
 
 
 def _settings(**kw) -> BufferSettings:
-    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=12,
+    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget=12,
                 max_response_len=12, max_staleness=1, lease_seconds=3.0, flush_tokens=3)
     base.update(kw)
     return BufferSettings(**base)
@@ -146,7 +146,7 @@ async def test_budget_parking_and_resume_across_versions_on_another_server(redis
     """Budget M=4: two segments under v0 on server A, then v1 is published (perturbed weights)
     and server B loads it and finishes the samples: tokens of two versions, each token's
     logprob equal to that version's recomputation."""
-    settings = _settings(n_samples_per_prompt=2, max_budget_tokens=4, max_response_len=12, flush_tokens=2)
+    settings = _settings(n_samples_per_prompt=2, max_budget=4, max_response_len=12, flush_tokens=2)
     async with await ReplayBuffer.open(redis_url, "budget", settings) as buf:
         prompt = _prompt(tokenizer, "count to ten")
         await _feed(buf, [PromptGroup("g0", prompt, {}, 2)])
@@ -193,7 +193,7 @@ async def test_work_claimed_after_a_publish_the_worker_missed_is_generated_with_
     the worker loads v1 before generating; otherwise every token would be v0 and the group
     would be restarted as stale at batch time (seen in benchmark (b) with R = 16)."""
     settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, rollout_batch_size=1, max_staleness=0,
-                         max_budget_tokens=6, max_response_len=6)
+                         max_budget=6, max_response_len=6)
     async with await ReplayBuffer.open(redis_url, "catchup", settings) as buf:
         w = _worker(buf, server_b.url, tokenizer, "w-catchup", extra_sampling_params={"ignore_eos": True})
         try:
@@ -222,7 +222,7 @@ async def test_weight_update_mid_stream(redis_url, server_b, models, tokenizer, 
     """A version published while a sample streams: ``abort`` ends the segment at the update
     (old-version segment, then a new one); ``in_place`` keeps the request running and the
     engine's per-token versions switch inside one segment."""
-    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_budget_tokens=900,
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_budget=900,
                          max_response_len=900, flush_tokens=4)
     async with await ReplayBuffer.open(redis_url, "mid", settings) as buf:
         prompt = _prompt(tokenizer, "tell a long story")
@@ -275,7 +275,7 @@ async def test_http_transport_rejects_a_bad_checksum_then_loads_the_next_version
     _publish_weights(weights, 1, models["dir1"])
     _, sha2 = _publish_weights(weights, 2, models["dir1"])
     files = WeightFileServer(weights).start()
-    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_response_len=6, max_budget_tokens=6)
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_response_len=6, max_budget=6)
     async with await ReplayBuffer.open(redis_url, "http", settings) as buf:
         w = _worker(buf, server_b.url, tokenizer, "w-http", transport="http", weights_cache_dir=tmp_path / "cache")
         stop = asyncio.Event()
@@ -321,7 +321,7 @@ async def test_recovery_rewind_new_lineage_reloads_and_regenerates(redis_url, se
     weights = tmp_path / "weights"
     path0, sha0 = _publish_weights(weights, 0, models["dir0"])
     path1, sha1 = _publish_weights(weights, 1, models["dir1"])
-    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_budget_tokens=600, max_response_len=600,
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_budget=600, max_response_len=600,
                          flush_tokens=4, max_staleness=2)
     async with await ReplayBuffer.open(redis_url, "rewind", settings) as buf:
         prompt = _prompt(tokenizer, "rewind me")
@@ -355,7 +355,7 @@ async def test_recovery_rewind_new_lineage_reloads_and_regenerates(redis_url, se
 async def test_reward_error_marks_sample_failed_and_run_continues(redis_url, server_a, tokenizer):
     """One raising reward: that sample is FAILED with the error, its group trains with the other
     two. Every reward raising: the group is dropped (``reward_error``). Other groups go on."""
-    settings = _settings(n_samples_per_prompt=3, max_response_len=6, max_budget_tokens=6)
+    settings = _settings(n_samples_per_prompt=3, max_response_len=6, max_budget=6)
     async with await ReplayBuffer.open(redis_url, "rerr", settings) as buf:
         await _feed(buf, [PromptGroup("allbad", _prompt(tokenizer, "explode"), {"fail": True}, 3),
                           PromptGroup("onebad", _prompt(tokenizer, "wobble"), {"fail_once": f"k{time.time()}"}, 3),

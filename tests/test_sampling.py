@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 
 def _settings(**kw) -> BufferSettings:
-    base = dict(rollout_batch_size=4, train_batch_groups=1, n_samples_per_prompt=3, max_budget_tokens=64,
+    base = dict(rollout_batch_size=4, train_batch_groups=1, n_samples_per_prompt=3, max_budget=64,
                 max_response_len=64, max_staleness=0, stale_policy="restart", lease_seconds=30.0)
     return BufferSettings(**{**base, **kw})
 

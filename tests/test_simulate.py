@@ -1,30 +1,17 @@
-"""The cluster simulator (bench/simulate.py): its semantics, on cases small enough to check by hand.
+"""The cluster simulator (bench/simulate/): its semantics, on cases small enough to check by hand.
 
 Fast (the whole file runs in a few seconds): tiny configurations, no Redis, no model.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-S = _load("asyncrl_simulate", ROOT / "bench" / "simulate.py")
+import bench.simulate as S
+from conftest import load_bench
 
 
 def tiny(**kw) -> "S.SimConfig":
@@ -194,7 +181,7 @@ def test_config_rules():
 
 
 def test_bench_lengths_are_the_benchmarks_own():
-    bench = _load("asyncrl_partial_bench", ROOT / "bench" / "rollout_partial_bench.py")
+    bench = load_bench("rollout_partial_bench")
     model = S.BenchParetoLength(8, 1.1, 128, seed=0, count=4000)
     assert model.lengths(None, 0, 0, 4000) == bench.target_lengths(4000, 0, 8, 1.1, 128)
 

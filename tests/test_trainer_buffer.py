@@ -13,7 +13,7 @@ from trainer.sources import BufferBatchSource
 
 
 async def test_buffer_batches_feed_the_trainer_and_acks_commit_announce(redis_url):
-    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=8,
+    settings = BufferSettings(rollout_batch_size=2, train_batch_groups=2, n_samples_per_prompt=2, max_budget=8,
                               max_response_len=16, max_staleness=0, stale_policy="restart", lease_seconds=30.0)
     buf = await ReplayBuffer.open(redis_url, "tr", settings)
     await buf.feed([buf.make_group(g, [1, 2, 3], {"answer": g}) for g in ("a", "b")], 0)

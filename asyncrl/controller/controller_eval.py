@@ -5,6 +5,8 @@ controller pauses every role (SIGSTOP), runs ``asyncrl eval`` on the newest publ
 its own process group with a deadline (``monitoring.eval_timeout_seconds``: past it the group is
 killed, the evaluation is reported as failed in one line and training goes on), resumes the
 roles and logs ``eval/*``; the time spent is never training time (``time/eval_seconds``).
+Each evaluation's results are kept in ``<run_dir>/eval/step-<k>.json``, their model paths
+relative to the folder holding the run (:func:`record_path`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,25 @@ from asyncrl.controller.supervisor import resume_roles
 if TYPE_CHECKING:
     from asyncrl.controller.resources import Assignment
 
-__all__ = ["ControllerEvaluation"]
+__all__ = ["ControllerEvaluation", "record_path"]
+
+
+def record_path(path: str, run_dir: Path) -> str:
+    """``path`` as the run's evaluation records name it.
+
+    A file or directory inside ``run_dir`` (the published weights, ``eval/model``) is named
+    relative to the folder that holds the run, ``<run>/weights/v000020``, so the record carries no
+    absolute path of the machine the run was on and still says which run it came from; anything
+    else (a model name, a URI, a directory outside the run) is kept as given.
+    """
+    p = Path(path)
+    if not p.is_absolute():
+        return path
+    try:
+        run = run_dir.resolve()
+        return str(p.resolve().relative_to(run.parent)) if p.resolve().is_relative_to(run) else path
+    except OSError:
+        return path
 
 
 class ControllerEvaluation:
@@ -125,8 +145,11 @@ class ControllerEvaluation:
             metrics["eval/failed"] = 1
         else:
             results = json.loads(stdout.decode())
+            kept = [{**r, "model": record_path(r["model"], self.run_dir)} if isinstance(r.get("model"), str) else r
+                    for r in results]
             (out_dir / f"step-{self.trainer_step}.json").write_text(json.dumps(
-                {"step": self.trainer_step, "policy_version": version, "model": weights, "results": results}, indent=1))
+                {"step": self.trainer_step, "policy_version": version, "model": record_path(weights, self.run_dir),
+                 "results": kept}, indent=1))
             for r in results:
                 if r["mode"] == "sampled":
                     metrics.update({"eval/accuracy_sampled": r["accuracy"], "eval/ci95_low": r["accuracy_ci_low"],

@@ -3,13 +3,14 @@
 Reads the run's ``metrics-*.jsonl`` (every role, see :mod:`asyncrl.metrics.tracking`) and its resolved
 ``config.yaml``, and writes into the run directory (or ``--out``):
 
-* ``report.png`` — nine panels over training wall time (minutes; held-out evaluation pauses
-  excluded): train reward, held-out accuracy (sampled at T = 1 with its 95% interval, and
-  greedy), rollout tokens/s, staleness (max and mean, with the ``max_staleness`` bound),
-  partial ratio, each role's idle ratio, each role's CPU share (``cpu_share/<role>``: its
-  CPU seconds per wall second over all the run's cores, from :mod:`asyncrl.controller.cpu_share`), and,
-  for PPO with a critic, the value loss and the critic's explained variance, and for agent
-  episodes (docs/agents.md) the turns and tool calls per episode (train and held-out);
+* ``report.png`` — up to nine panels over training wall time (minutes; held-out evaluation
+  pauses excluded), each drawn only when the run logged its metrics (:data:`PANELS`): train
+  reward, held-out accuracy (sampled at T = 1 with its 95% interval, and greedy), rollout
+  tokens/s, staleness (max and mean, with the ``max_staleness`` bound), partial ratio, each
+  role's idle ratio, each role's CPU share (``cpu_share/<role>``: its CPU seconds per wall
+  second over all the run's cores, from :mod:`asyncrl.controller.cpu_share`), and, for PPO
+  with a critic, the value loss and the critic's explained variance, and for agent episodes
+  (docs/agents.md) the turns and tool calls per episode (train and held-out);
 * ``report.md`` — steps, wall time, final and best held-out accuracy, tokens/s, max staleness,
   partial ratio, idle ratios, CPU shares, the critic's value loss (first and last step) and
   explained variance, drops and restarts.
@@ -36,7 +37,8 @@ from typing import Any
 
 from asyncrl.metrics.tracking import TrackingError, read_metrics
 
-__all__ = ["Run", "load_run", "series", "summarize", "time_to_reach", "plot_runs", "write_markdown", "main"]
+__all__ = ["Run", "Panel", "PANELS", "load_run", "series", "summarize", "time_to_reach", "panels_with_data", "plot_runs",
+           "write_markdown", "main"]
 
 
 @dataclass
@@ -276,105 +278,159 @@ def _moving_average(ys: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_runs(runs: list[Run], path: Path) -> None:
-    """Draw the nine panels (the critic's and the episodes' are "not logged" without them) for one or two runs into ``path`` (PNG, matplotlib Agg)."""
+@dataclass(frozen=True)
+class Panel:
+    """One panel of ``report.png``: drawn when some run logged one of its metrics.
+
+    Attributes:
+        name: short name (what :func:`plot_runs` returns).
+        title, ylabel: the panel's title and y-axis label.
+        keys: metrics that give it data.
+        prefixes: metric-name prefixes that give it data (``idle_ratio/`` for every role).
+    """
+
+    name: str
+    title: str
+    ylabel: str
+    keys: tuple[str, ...] = ()
+    prefixes: tuple[str, ...] = ()
+
+    def has_data(self, run: Run) -> bool:
+        """True when ``run`` logged a value of one of :attr:`keys` or of a metric under :attr:`prefixes`."""
+        return any(v is not None and (k in self.keys or any(k.startswith(p) for p in self.prefixes))
+                   for r in run.records for k, v in r.items())
+
+
+#: Every panel, in drawing order (three per row).
+PANELS = (
+    Panel("reward", "train reward (mean; line: moving average of 10)", "reward", ("reward/mean",)),
+    Panel("accuracy", "held-out accuracy (95% interval shaded)", "accuracy",
+          ("eval/accuracy_sampled", "eval/accuracy_greedy")),
+    Panel("throughput", "rollout throughput", "tokens / s", ("rollout/tokens_per_second",)),
+    Panel("staleness", "staleness of train batches", "policy versions", ("staleness/max", "staleness/mean")),
+    Panel("partial", "partial ratio (partial samples / samples in flight)", "ratio", ("buffer/partial_ratio",)),
+    Panel("idle", "idle ratio by role", "ratio", prefixes=("idle_ratio/",)),
+    Panel("cpu", "CPU share by role (of all the run's cores)", "share", prefixes=("cpu_share/",)),
+    Panel("critic", "critic (PPO with GAE): value loss, explained variance (dashed)", "value loss",
+          ("train/value_loss", "train/explained_variance")),
+    Panel("episodes", "agent episodes: turns and tool calls per episode (train: moving average of 10)", "per episode",
+          ("train/episode_turns_mean", "train/episode_tool_calls_mean", "eval/turns_mean", "eval/tool_calls_mean")),
+)
+
+
+def panels_with_data(runs: list[Run]) -> list[Panel]:
+    """The panels of :data:`PANELS` that at least one of ``runs`` has data for, in drawing order."""
+    return [p for p in PANELS if any(p.has_data(run) for run in runs)]
+
+
+def plot_runs(runs: list[Run], path: Path) -> list[str]:
+    """Draw the panels the runs have data for (:func:`panels_with_data`; a GRPO run has no critic
+    panel, a single-turn run no episode panel) for one or two runs into ``path`` (PNG, matplotlib
+    Agg), three per row.
+
+    Returns:
+        the names of the panels drawn, in order (``["reward", "accuracy", ...]``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 3, figsize=(18, 12.5), constrained_layout=True)
+    panels = panels_with_data(runs)
+    ncols = min(3, max(1, len(panels)))
+    nrows = max(1, math.ceil(len(panels) / 3))
+    fig, grid = plt.subplots(nrows, ncols, figsize=(6 * ncols, 12.5 / 3 * nrows + 0.4), constrained_layout=True,
+                             squeeze=False)
+    flat = list(grid.flat)
+    ax_of = {p.name: ax for p, ax in zip(panels, flat)}
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+    if not panels:
+        flat[0].text(0.5, 0.5, "no curves logged", transform=flat[0].transAxes, ha="center", va="center", color="gray")
     colors = ["tab:blue", "tab:orange"]
-    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle, ax_cpu, ax_critic, ax_episodes = axes.flat
-    ax_ev = ax_critic.twinx()
-    has_critic = False
+    ax_reward, ax_acc, ax_tps, ax_stale, ax_partial, ax_idle, ax_cpu, ax_critic, ax_episodes = (
+        ax_of.get(p.name) for p in PANELS)
+    ax_ev = ax_critic.twinx() if ax_critic is not None else None
     for run, color in zip(runs, colors):
         recs, label = run.records, run.name
         m = lambda xs: [x / 60 for x in xs]  # noqa: E731 - minutes
         xs, ys = series(recs, "reward/mean")
-        if xs:
+        if xs and ax_reward is not None:
             ax_reward.plot(m(xs), ys, color=color, alpha=0.25, lw=0.8)
             ax_reward.plot(m(xs), _moving_average(ys, 10), color=color, label=label)
-        xs, ys = series(recs, "eval/accuracy_sampled")
-        if xs:
-            lo = series(recs, "eval/ci95_low")[1]
-            hi = series(recs, "eval/ci95_high")[1]
-            ax_acc.plot(m(xs), ys, "o-", color=color, label=f"{label} sampled T=1")
-            if len(lo) == len(xs) == len(hi):
-                ax_acc.fill_between(m(xs), lo, hi, color=color, alpha=0.15)
-        xs, ys = series(recs, "eval/accuracy_greedy")
-        if xs:
-            ax_acc.plot(m(xs), ys, "s--", color=color, alpha=0.6, label=f"{label} greedy")
+        if ax_acc is not None:
+            xs, ys = series(recs, "eval/accuracy_sampled")
+            if xs:
+                lo = series(recs, "eval/ci95_low")[1]
+                hi = series(recs, "eval/ci95_high")[1]
+                ax_acc.plot(m(xs), ys, "o-", color=color, label=f"{label} sampled T=1")
+                if len(lo) == len(xs) == len(hi):
+                    ax_acc.fill_between(m(xs), lo, hi, color=color, alpha=0.15)
+            xs, ys = series(recs, "eval/accuracy_greedy")
+            if xs:
+                ax_acc.plot(m(xs), ys, "s--", color=color, alpha=0.6, label=f"{label} greedy")
         xs, ys = series(recs, "rollout/tokens_per_second")
-        if xs:
+        if xs and ax_tps is not None:
             ax_tps.plot(m(xs), ys, color=color, label=label)
-        xs, ys = series(recs, "staleness/max")
-        if xs:
-            ax_stale.step(m(xs), ys, where="post", color=color, label=f"{label} max")
-        xs, ys = series(recs, "staleness/mean")
-        if xs:
-            ax_stale.plot(m(xs), ys, color=color, alpha=0.5, ls=":", label=f"{label} mean")
-        bound = (run.config.get("buffer") or {}).get("max_staleness")
-        if bound is not None:
-            ax_stale.axhline(bound, color=color, ls="--", lw=0.8, label=f"{label} bound η={bound}")
+        if ax_stale is not None:
+            xs, ys = series(recs, "staleness/max")
+            if xs:
+                ax_stale.step(m(xs), ys, where="post", color=color, label=f"{label} max")
+            xs, ys = series(recs, "staleness/mean")
+            if xs:
+                ax_stale.plot(m(xs), ys, color=color, alpha=0.5, ls=":", label=f"{label} mean")
+            bound = (run.config.get("buffer") or {}).get("max_staleness")
+            if bound is not None:
+                ax_stale.axhline(bound, color=color, ls="--", lw=0.8, label=f"{label} bound η={bound}")
         xs, ys = series(recs, "buffer/partial_ratio")
-        if xs:
+        if xs and ax_partial is not None:
             ax_partial.plot(m(xs), ys, color=color, label=label)
-        for key, ls in zip(_idle_keys(recs), ["-", "--", ":", "-."] * 8):
-            xs, ys = series(recs, key)
-            ax_idle.plot(m(xs), ys, color=color, ls=ls, label=f"{label} {key.split('/', 1)[1]}")
-        for key, ls in zip(_cpu_keys(recs), ["-", "--", ":", "-."] * 8):
-            xs, ys = series(recs, key)
-            ax_cpu.plot(m(xs), ys, color=color, ls=ls, label=f"{label} {key.split('/', 1)[1]}")
-        xs, ys = series(recs, "train/value_loss")
-        if xs:
-            has_critic = True
-            ax_critic.plot(m(xs), ys, color=color, alpha=0.25, lw=0.8)
-            ax_critic.plot(m(xs), _moving_average(ys, 10), color=color, label=f"{label} value loss")
-        for key, ls, what in (("train/episode_turns_mean", "-", "turns"), ("train/episode_tool_calls_mean", "--", "tool calls")):
-            xs, ys = series(recs, key)
+        if ax_idle is not None:
+            for key, ls in zip(_idle_keys(recs), ["-", "--", ":", "-."] * 8):
+                xs, ys = series(recs, key)
+                ax_idle.plot(m(xs), ys, color=color, ls=ls, label=f"{label} {key.split('/', 1)[1]}")
+        if ax_cpu is not None:
+            for key, ls in zip(_cpu_keys(recs), ["-", "--", ":", "-."] * 8):
+                xs, ys = series(recs, key)
+                ax_cpu.plot(m(xs), ys, color=color, ls=ls, label=f"{label} {key.split('/', 1)[1]}")
+        if ax_critic is not None:
+            xs, ys = series(recs, "train/value_loss")
             if xs:
-                ax_episodes.plot(m(xs), _moving_average(ys, 10), color=color, ls=ls, label=f"{label} {what} (train)")
-        for key, mk, what in (("eval/turns_mean", "o", "turns"), ("eval/tool_calls_mean", "s", "tool calls")):
-            xs, ys = series(recs, key)
+                ax_critic.plot(m(xs), ys, color=color, alpha=0.25, lw=0.8)
+                ax_critic.plot(m(xs), _moving_average(ys, 10), color=color, label=f"{label} value loss")
+            xs, ys = series(recs, "train/explained_variance")
             if xs:
-                ax_episodes.plot(m(xs), ys, mk, color=color, alpha=0.7, label=f"{label} {what} (held-out)")
-        xs, ys = series(recs, "train/explained_variance")
-        if xs:
-            has_critic = True
-            ax_ev.plot(m(xs), _moving_average(ys, 10), color=color, ls="--", label=f"{label} explained variance")
-    titles = [
-        (ax_reward, "train reward (mean; line: moving average of 10)", "reward"),
-        (ax_acc, "held-out accuracy (95% interval shaded)", "accuracy"),
-        (ax_tps, "rollout throughput", "tokens / s"),
-        (ax_stale, "staleness of train batches", "policy versions"),
-        (ax_partial, "partial ratio (partial samples / samples in flight)", "ratio"),
-        (ax_idle, "idle ratio by role", "ratio"),
-        (ax_cpu, "CPU share by role (of all the run's cores)", "share"),
-        (ax_critic, "critic (PPO with GAE): value loss, explained variance (dashed)", "value loss"),
-        (ax_episodes, "agent episodes: turns and tool calls per episode (train: moving average of 10)", "per episode"),
-    ]
-    for ax, title, ylabel in titles:
-        ax.set_title(title, fontsize=10)
+                ax_ev.plot(m(xs), _moving_average(ys, 10), color=color, ls="--", label=f"{label} explained variance")
+        if ax_episodes is not None:
+            for key, ls, what in (("train/episode_turns_mean", "-", "turns"),
+                                  ("train/episode_tool_calls_mean", "--", "tool calls")):
+                xs, ys = series(recs, key)
+                if xs:
+                    ax_episodes.plot(m(xs), _moving_average(ys, 10), color=color, ls=ls, label=f"{label} {what} (train)")
+            for key, mk, what in (("eval/turns_mean", "o", "turns"), ("eval/tool_calls_mean", "s", "tool calls")):
+                xs, ys = series(recs, key)
+                if xs:
+                    ax_episodes.plot(m(xs), ys, mk, color=color, alpha=0.7, label=f"{label} {what} (held-out)")
+    for panel in panels:
+        ax = ax_of[panel.name]
+        ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("training wall time (min, eval excluded)")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray")
     for ax in (ax_acc, ax_partial, ax_idle, ax_cpu):
-        ax.set_ylim(-0.02, 1.02)
-    if has_critic:
+        if ax is not None:
+            ax.set_ylim(-0.02, 1.02)
+    if ax_ev is not None:
         ax_ev.set_ylabel("explained variance (moving average of 10)")
         ax_ev.set_ylim(-1.05, 1.05)
         if ax_ev.get_legend_handles_labels()[0]:
             ax_ev.legend(fontsize=7, loc="lower right")
-    else:
-        ax_ev.axis("off")
     fig.suptitle("asyncrl: " + " vs ".join(r.name for r in runs))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [p.name for p in panels]
 
 
 def main(argv: list[str]) -> int:

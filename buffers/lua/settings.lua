@@ -2,7 +2,7 @@
 local R = tonumber(ARGV[3])          -- rollout_batch_size: cap on groups in flight
 local B = tonumber(ARGV[4])          -- train_batch_groups = ceil(p * R)
 local NSAMP = tonumber(ARGV[5])      -- n_samples_per_prompt (default; groups carry their own n)
-local M = tonumber(ARGV[6])          -- max_budget_tokens per sample per policy version
+local M = tonumber(ARGV[6])          -- max_budget: new tokens per sample per policy version
 local L = tonumber(ARGV[7])          -- max_response_len
 local ETA = tonumber(ARGV[8])        -- max_staleness
 local POLICY = ARGV[9]               -- stale policy: restart | drop | keep

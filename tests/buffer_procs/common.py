@@ -30,7 +30,7 @@ MAX_LEN = 20
 #: ASYNCRL_TEST_SAMPLING=1 (set by the test): best-of-n (3 generated, best 2 trained) and dynamic sampling on
 SAMPLING = os.environ.get("ASYNCRL_TEST_SAMPLING") == "1"
 SETTINGS = BufferSettings(
-    rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=6,
+    rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget=6,
     max_response_len=MAX_LEN, max_staleness=1, stale_policy="restart", lease_seconds=0.5, flush_tokens=4,
     generation_size=3 if SAMPLING else 0, dynamic_sampling=SAMPLING,
 )

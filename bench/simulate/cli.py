@@ -1,0 +1,98 @@
+"""``python -m bench.simulate validate | scaling | run | doc``: the simulator's command line (see ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from . import __doc__ as package_doc
+from .calibration import GLOBAL_BATCH_GROUPS, WORKLOADS, gpu_config
+from .model import simulate
+from .scaling import scaling
+from .tables import doc_blocks, print_scaling, print_validation, read_blocks, write_blocks
+from .validation import validation
+
+__all__ = ["main", "DOC"]
+
+#: The page whose generated tables ``doc`` renders.
+DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
+
+
+def _doc(path: Path, write: bool, check: bool) -> int:
+    """Render the generated tables of ``path``; write them in, check them, or print them."""
+    blocks = doc_blocks()
+    text = path.read_text()
+    if write:
+        path.write_text(write_blocks(text, blocks))
+        print(f"wrote {len(blocks)} tables into {path}", file=sys.stderr)
+        return 0
+    if check:
+        stale = [name for name, body in blocks.items() if read_blocks(text).get(name) != body]
+        for name in stale:
+            print(f"{path}: table {name!r} differs from what the code prints "
+                  "(python -m bench.simulate doc --write)", file=sys.stderr)
+        return 1 if stale else 0
+    for name, body in blocks.items():
+        print(f"<!-- bench.simulate: {name} -->\n{body}\n<!-- /bench.simulate -->\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``validate`` | ``scaling`` | ``run`` | ``doc`` (see ``--help``); returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=package_doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="The model and its sources: the package docstring and docs/scaling.md.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="predicted vs measured for this machine's runs (docs/results.md, docs/rollout.md)")
+    s = sub.add_parser("scaling", help="predicted async/sync speed-up on 8, 64, 512 H100s (7B model)")
+    s.add_argument("--scales", type=int, nargs="+", default=[8, 64, 512])
+    s.add_argument("--workloads", nargs="+", default=["long-tail", "short"], choices=sorted(WORKLOADS))
+    s.add_argument("--quick", action="store_true", help="fewer train steps per run")
+    s.add_argument("--groups", type=int, default=GLOBAL_BATCH_GROUPS, help="B: prompt groups per train step")
+    r = sub.add_parser("run", help="simulate one configuration (GPU cluster, Qwen2.5-7B on H100)")
+    r.add_argument("--rollout-gpus", type=int, required=True, help="N: rollout GPUs (SGLang servers, TP 1)")
+    r.add_argument("--trainer-gpus", type=int, required=True, help="M: trainer GPUs")
+    r.add_argument("--sync", action="store_true", help="synchronous, colocated on N + M GPUs")
+    r.add_argument("--workload", default="long-tail", choices=sorted(WORKLOADS))
+    r.add_argument("--partial-percent", type=float, default=0.5)
+    r.add_argument("--max-budget", type=int, default=None)
+    r.add_argument("--max-staleness", type=int, default=4)
+    r.add_argument("--pause-mode", default="in_place", choices=["abort", "in_place"])
+    r.add_argument("--groups", type=int, default=GLOBAL_BATCH_GROUPS, help="B: prompt groups per train step")
+    r.add_argument("--steps", type=int, default=12)
+    d = sub.add_parser("doc", help="the generated tables of docs/scaling.md (validation, reduced scaling): "
+                                   "print them, --check them against the page, or --write them into it")
+    d.add_argument("--path", type=Path, default=DOC, help="the page (default: docs/scaling.md)")
+    mode = d.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace the tables in the page")
+    mode.add_argument("--check", action="store_true", help="exit 1 when the page's tables differ from the code's")
+    for p in (v, s, r):
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", default=None, help="write the raw results to this file")
+    a = ap.parse_args(argv)
+    if a.cmd == "doc":
+        return _doc(a.path, a.write, a.check)
+    if a.cmd == "validate":
+        res = validation(seed=a.seed)
+        print_validation(res)
+    elif a.cmd == "scaling":
+        res = scaling(a.scales, a.workloads, seed=a.seed, quick=a.quick, groups=a.groups,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+        print_scaling(res)
+    else:
+        total = a.rollout_gpus + a.trainer_gpus
+        cfg = gpu_config(total, a.workload, "sync" if a.sync else "async", rollout_gpus=None if a.sync else a.rollout_gpus,
+                         partial_percent=a.partial_percent, max_staleness=a.max_staleness, budget=a.max_budget,
+                         pause_mode=a.pause_mode, steps=a.steps, groups=a.groups, seed=a.seed)
+        result = simulate(cfg)
+        res = {"config": {k: (v if isinstance(v, (int, float, str, bool)) else repr(v)) for k, v in cfg.__dict__.items()},
+               "result": result.row()}
+        for k, val in result.row().items():
+            print(f"{k:32s} {val}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=lambda o: o if not isinstance(o, float) or math.isfinite(o) else None)
+    return 0
