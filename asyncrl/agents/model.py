@@ -386,26 +386,53 @@ class EpisodeModel:
             self.response_ids += ids
 
     async def tool(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> tuple[bool, str]:
-        """Run a tool (a plain function, in a thread) with a timeout; count it.
+        """Run a tool with a timeout; count it.
+
+        Args:
+            fn: a plain function (run in a worker thread) or an ``async def`` (awaited on the
+                event loop, e.g. :meth:`asyncrl.env_server.EnvServerClient.calculate`: a remote
+                call waits without holding a thread).
+            args: its arguments.
+            timeout: seconds (default ``agent.tool_timeout_seconds``).
 
         Returns:
             ``(ok, text)``: the tool's result as text, or ``(False, "error: ...")`` when it raised
-            or ran past ``timeout`` (default ``agent.tool_timeout_seconds``). A failing tool is
-            an observation for the model, never a crash of the episode.
+            or ran past ``timeout``; a :class:`~asyncrl.env_server.errors.ToolCallError` gives its
+            own ``observation`` (e.g. the environment server's deadline). A failing tool is an
+            observation for the model, never a crash of the episode.
+
+        Raises:
+            EnvServerUnavailable: the environment server stayed unreachable past its outage
+                budget (an infrastructure failure is not shown to the model: the workflow fails).
         """
+        from asyncrl.env_server.errors import EnvServerUnavailable, ToolCallError
+
         sh = self._shared
         sh.tool_calls += 1
         loop = asyncio.get_running_loop()
         limit = float(timeout if timeout is not None else self.tool_timeout)
         try:
-            result = await asyncio.wait_for(loop.run_in_executor(None, lambda: fn(*args)), limit)
+            if asyncio.iscoroutinefunction(fn):
+                result = await asyncio.wait_for(fn(*args), limit)
+            else:
+                result = await asyncio.wait_for(loop.run_in_executor(None, lambda: fn(*args)), limit)
             return True, str(result)
         except asyncio.TimeoutError:
             sh.tool_failures += 1
             return False, f"error: the tool took longer than {limit:g} s"
+        except ToolCallError as exc:
+            sh.tool_failures += 1
+            return False, exc.observation
+        except EnvServerUnavailable:
+            raise
         except Exception as exc:  # noqa: BLE001 - a tool failure is an observation
             sh.tool_failures += 1
             return False, f"error: {type(exc).__name__}: {exc}"
+
+    @property
+    def replaying(self) -> bool:
+        """True while this trajectory still has recorded events to replay (its calls are answered from the record)."""
+        return not self.history.exhausted
 
     # ------------------------------------------------------------------ results
     def info(self, episode: Episode) -> dict[str, Any]:
