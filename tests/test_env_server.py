@@ -433,7 +433,7 @@ def engine(tiny_model_dir, tmp_path_factory):
     from rollout_server.testing import make_random_model, start_embedded_server
 
     model_dir = make_random_model(tiny_model_dir, tmp_path_factory.mktemp("envsrv") / "m0", seed=21)
-    srv = start_embedded_server(model_dir, "--weight-version", "0")
+    srv = start_embedded_server(model_dir, "--weight-version", "0", ready_timeout_seconds=300.0)
     yield srv
     srv.stop()
 

@@ -127,8 +127,13 @@ class CalculatorEnv:
             return await model.tool(safe_calculate, expression)
         sample = _CALL_ID_UNSAFE.sub("_", model.task.sample_id or "episode")[:200]
         call_id = f"{sample}:{model.index}:{model.tool_calls}"
-        return await model.tool(self.remote.calculate, expression, call_id, model.replaying,
-                                timeout=self.remote.max_call_seconds)
+
+        async def remote_calculate(expression: str, call_id: str) -> str:
+            # the replay flag is read when the call runs, and is not an argument: the worker's tool memo
+            # (EpisodeModel.tool_memo) keys a call by its arguments, the same live and in a replay
+            return await self.remote.calculate(expression, call_id, model.replaying)
+
+        return await model.tool(remote_calculate, expression, call_id, timeout=self.remote.max_call_seconds)
 
     async def is_correct(self, output_text: str) -> bool:
         return await _correct(output_text, self.gold)

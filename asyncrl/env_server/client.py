@@ -84,6 +84,11 @@ class EnvServerClient:
                    api_key if env_server.api_key_required else None)
 
     @property
+    def in_outage(self) -> bool:
+        """True from a call's first failure to reach the server until a call is answered again."""
+        return self._outage_since is not None
+
+    @property
     def max_call_seconds(self) -> float:
         """The longest one call can take: its outage budget, its deadline and the grace, plus one backoff."""
         return self.outage_seconds + self.deadline_seconds + GRACE_SECONDS + BACKOFF_SECONDS[1]
