@@ -615,3 +615,67 @@ async def test_env_server_enabled_with_a_workflow_without_a_remote_tool_is_refus
         load_workflow(AgentConfig(workflow="arithmetic_retry", env_server={"enabled": True}))
     wf = load_workflow(AgentConfig(workflow="calculator"))
     assert wf.env_client is None  # off: the calculator runs in-process, as before
+
+
+async def test_a_replay_answers_the_episodes_tool_calls_from_the_workers_memo():
+    """Tool calls are not in the buffer's record: a replay on the same worker takes their results from
+    the memo (same trajectory, position, tool and arguments) instead of calling the tool again."""
+    from asyncrl.agents.model import EpisodeModel
+    from asyncrl.agents.workflow import EpisodeTask, RecordedHistory
+
+    ran = []
+
+    async def remote(x):
+        ran.append(x)
+        if x < 0:
+            raise ToolCallError("error: the tool took longer than 1 s", "deadline")
+        return x + 1
+
+    def handle(memo):
+        m = EpisodeModel(EpisodeTask({}, [1], "", 0, "s"), None, None, RecordedHistory([]), None, max_tokens=4, max_turns=2)
+        m.tool_memo = memo
+        return m
+
+    memo: dict = {}
+    first = handle(memo)
+    assert await first.tool(remote, 1) == (True, "2") and await first.tool(remote, -1) == (False, "error: the tool took longer than 1 s")
+    replay = handle(memo)  # the episode run again from the start on the same worker
+    assert await replay.tool(remote, 1) == (True, "2")
+    assert await replay.tool(remote, -1) == (False, "error: the tool took longer than 1 s")
+    assert await replay.tool(remote, 7) == (True, "8")  # a new call runs
+    assert ran == [1, -1, 7] and replay.memo_tool_calls == 2 and (replay.tool_calls, replay.tool_failures) == (3, 1)
+    other = handle(memo)
+    assert await other.tool(remote, 2) == (True, "3") and ran[-1] == 2  # other arguments at that position: it runs
+    no_memo = handle(None)
+    assert await no_memo.tool(remote, 1) == (True, "2") and ran[-1] == 1 and no_memo.memo_tool_calls == 0
+
+
+def test_the_controller_runs_the_env_server_as_a_supervised_role(tmp_path):
+    import socket
+
+    from asyncrl.controller.resources import assign_resources
+    from asyncrl.controller.roles import env_server_spec, role_specs
+
+    remote = REPO / "configs" / "smollm2_calculator_remote.yaml"
+    cfg = load_config(["--config", str(remote), "--run.output_dir", str(tmp_path), "--agent.env_server.port",
+                       str(free_port())], environ={})
+    env: dict[str, str] = {"ASYNCRL_BUFFER__REDIS_URL": "redis://:pw@127.0.0.1:1/0"}
+    specs, _ = role_specs(cfg, tmp_path / "config.yaml", env, assign_resources(cfg))
+    (spec,) = [s for s in specs if s.name == "env-server"]
+    assert spec.argv[-3:] == ["env-server", "--config", str(tmp_path / "config.yaml")]
+    assert spec.restart and spec.stop_order == 2 and 2 in spec.fatal_exit_codes and spec.health_check is not None
+    assert "ASYNCRL_BUFFER__REDIS_URL" not in spec.env  # no Redis credentials: it never talks to Redis
+    assert [s.name for s in specs].index("env-server") < [s.name for s in specs].index("rollout-0")
+    off = cfg.model_copy(deep=True)
+    off.agent.env_server.enabled = False
+    assert env_server_spec(off, [], {}, assign_resources(cfg)) is None
+    attached = cfg.model_copy(deep=True)
+    attached.agent.env_server.url = "http://env-server.example:30600"
+    assert env_server_spec(attached, [], {}, assign_resources(cfg)) is None
+    with socket.socket() as busy:  # its port is taken: a free one, announced to every role
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        cfg.agent.env_server.port = busy.getsockname()[1]
+        env = {}
+        assert env_server_spec(cfg, [], env, assign_resources(cfg)) is not None
+        assert int(env["ASYNCRL_AGENT__ENV_SERVER__PORT"]) not in (0, cfg.agent.env_server.port)
