@@ -8,7 +8,7 @@ loop (a call waits without holding a thread). What the workflow sees, by what ha
 | the server answered ``ok`` | ``(True, result)`` |
 | the server answered ``tool_error`` (the tool refused the input), or refused the request (400, 413, 415) | ``(False, "error: ...")`` — an observation |
 | the server answered ``deadline``, or no answer came within the deadline + 2 s while the connection stayed open | ``(False, "error: the tool took longer than D s")`` — an observation; the episode continues |
-| the server could not be reached, reset or closed the connection (it died: ``kill -9``), or answered 503 (draining) or another 5xx | the call is **sent again** with backoff (0.1 s doubling to 2 s) until it is answered; the episode waits (its lease is renewed by the worker's heartbeat) and sees nothing of the outage |
+| the server could not be reached (refused, or no connection within 5 s), reset or closed the connection (it died: ``kill -9``), or answered 503 (draining) or another 5xx | the call is **sent again** with backoff (0.1 s doubling to 2 s) until it is answered; the episode waits (its lease is renewed by the worker's heartbeat) and sees nothing of the outage |
 | that lasted longer than ``agent.env_server.outage_seconds``, or the server refused the key (401) or has no such tool (404) | :class:`~asyncrl.env_server.errors.EnvServerUnavailable` is raised: the workflow fails and its sample is FAILED (``WorkflowError: EnvServerUnavailable: ...``, counted ``failed_samples:workflow_error``) |
 
 So a ``kill -9`` of the server changes no episode: a call in flight is sent again, with the
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 #: The worker waits this long past a call's deadline for the server's answer before it decides
 #: the deadline passed (the server answers at its deadline; this covers the network and the loop).
 GRACE_SECONDS = 2.0
+#: A connection not established within this many seconds counts as the server being unreachable.
+CONNECT_SECONDS = 5.0
 #: Backoff between attempts while the server is unreachable: first and largest delay, seconds.
 BACKOFF_SECONDS = (0.1, 2.0)
 
@@ -124,12 +126,15 @@ class EnvServerClient:
                 "replay": bool(replay)}
         first_failure: float | None = None
         delay = BACKOFF_SECONDS[0]
-        timeout = aiohttp.ClientTimeout(total=self.deadline_seconds + GRACE_SECONDS)
+        # connecting is bounded apart: a server that cannot be reached is an outage, not a slow tool
+        timeout = aiohttp.ClientTimeout(total=self.deadline_seconds + GRACE_SECONDS, sock_connect=CONNECT_SECONDS)
         while True:
             try:
                 session = await self._get_session()
                 async with session.post(f"{self.url}/tools/{tool}", json=body, timeout=timeout) as resp:
                     status, text = resp.status, await resp.text()
+            except aiohttp.ConnectionTimeoutError as exc:
+                why = f"no connection within {CONNECT_SECONDS:g} s ({type(exc).__name__})"
             except asyncio.TimeoutError:
                 self._back()
                 self.stats["deadlines"] += 1
