@@ -101,6 +101,8 @@ class _LiveCalls:
         self._bver = item.clock_version
         self._bused = item.produced_under_version_tokens
         self.live_calls = 0
+        #: True once a call's end made the sample COMPLETE (it reached max_response_len)
+        self.completed = False
         self._traj = 0  # the trajectory being written (tags every append, docs/agents.md)
         # tokens of the current call already flushed to the buffer (returned with the call's output)
         self._stream_ids: list[int] = []
@@ -213,6 +215,7 @@ class _LiveCalls:
         w._count_tokens(len(ids))
         w.stats.segments += 1
         if status == SampleStatus.COMPLETE:  # the conversation reached max_response_len in this call
+            self.completed = True
             self.last_output = (all_ids, all_lps, all_vers)
             raise TokenLimit(f"sample {item.sample_id}: reached max_response_len in call {self.live_calls}")
         return all_ids, all_lps, all_vers, ("length" if engine_finish == "length" else "stop")
@@ -370,7 +373,9 @@ class EpisodeRunner:
         if not model.replay_exhausted:
             return await self._restart(item, model, NonDeterministicWorkflow(
                 f"episode {item.sample_id}: the workflow returned with recorded events left"))
-        if item.kind == WorkKind.GENERATE and not model.at_token_limit:
+        # end the episode unless its last call already completed it at max_response_len; a token limit
+        # met by an observation that did not fit (or at the start of a call) leaves it running
+        if item.kind == WorkKind.GENERATE and live is not None and not live.completed:
             status = await w.buffer.end_segment(item, "stop", trajectory=0)
             if status != SampleStatus.COMPLETE:
                 raise WorkerError(f"episode {item.sample_id}: ending it left status {status}")

@@ -156,3 +156,10 @@ async def remote_calculator_calls(task, model, env):
         await model.observe(f"<result>{text}</result>" if ok else text, role="tool")
     await model.generate(max_tokens=4)
     return Episode(ok_calls / REMOTE_CALLS, "env_done", {"ok_calls": float(ok_calls)})
+
+
+async def observation_overflow(task, model, env):
+    """One call, then an observation longer than what is left of max_response_len: TokenLimit, uncaught."""
+    await model.generate(max_tokens=4)
+    await model.observe("error: " + "this observation does not fit " * 40, role="tool")
+    return Episode(1.0)

@@ -679,3 +679,25 @@ def test_the_controller_runs_the_env_server_as_a_supervised_role(tmp_path):
         env = {}
         assert env_server_spec(cfg, [], env, assign_resources(cfg)) is not None
         assert int(env["ASYNCRL_AGENT__ENV_SERVER__PORT"]) not in (0, cfg.agent.env_server.port)
+
+
+@pytest.mark.integration
+async def test_an_observation_that_does_not_fit_ends_the_episode_at_the_token_limit(redis_url, engine, tokenizer):
+    """A long tool error that does not fit under max_response_len ends the episode (termination
+    ``token_limit``, reward 0) and the sample is completed and scored; it used to stay RUNNING and
+    stop the worker with ``InvalidTransition: ... only a complete sample can be scored`` (found
+    by a tiny ``asyncrl train`` of the remote calculator, whose parse errors are long observations)."""
+    from asyncrl.core.config import AgentConfig
+    from asyncrl.core.types import PromptGroup, SampleStatus
+    from buffers import ReplayBuffer
+
+    agent = AgentConfig(workflow="agent_workflows:observation_overflow", max_turns=2)
+    async with await ReplayBuffer.open(redis_url, "envoverflow", buffer_settings(max_response_len=48)) as buf:
+        await buf.feed([PromptGroup("g0", chat_prompt(tokenizer, "overflow"), {}, 2)], 0)
+        w = calculator_worker(buf, engine.url, tokenizer, agent)
+        await run_until_ready(w, buf, 1, timeout_seconds=120.0)
+        await w.client.close()
+        _, samples = await buf.get_group("g0")
+        for s in samples:
+            assert s.status == SampleStatus.SCORED and s.reward == 0.0 and s.info["termination"] == "token_limit"
+            assert len(s.response_ids) < 48  # the observation was not appended
