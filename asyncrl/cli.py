@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "buffer": ("buffers.cli:main", "inspect a run's replay buffer (`stats`, `inspect`, `drain`)"),
     "rollout-server": ("rollout_server.cli:main", "run a rollout server: embedded engine + rollout worker"),
     "reward-model": ("asyncrl.reward_model.role:main", "serve a reward model (sequence classification) to the rollout workers"),
+    "env-server": ("asyncrl.env_server.role:main", "serve the agent workflows' tools over HTTP (deadline, latency, /metrics)"),
     "trainer": ("trainer.cli:main", "run the DeepSpeed trainer (works under torchrun and the deepspeed launcher)"),
     "eval": ("asyncrl.evaluation.cli:main", "held-out accuracy of a model or checkpoint on a task"),
     "report": ("asyncrl.metrics.report:main", "curves (PNG) and a markdown summary of a run directory"),

@@ -21,11 +21,15 @@ from its recorded tokens. A workflow whose replay differs from the record restar
 (``stop``: COMPLETE) and is scored with the workflow's reward, its precomputed advantages (if
 every step set one) and its info (termination, turns, tool calls, replayed calls). A COMPLETE
 episode whose worker died before scoring it is scored by replaying it entirely (no live call).
+Tool calls are not recorded in the buffer: a replay on the worker that made them answers them from
+its in-memory memo (:attr:`EpisodeModel.tool_memo`, the last :data:`TOOL_MEMO_EPISODES` episodes);
+a replay elsewhere runs them again (tools must be deterministic and idempotent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hashlib
@@ -71,6 +75,9 @@ class _Parked(EpisodeInterrupt):
         self.why = why
 
 
+#: Episodes whose tool results a worker keeps for their replays (least recently used dropped first).
+TOOL_MEMO_EPISODES = 4096
+
 #: Scoring requests (OPSD's prompt logprobs) aborted by a weight update are sent again up to this many times.
 SCORE_ABORT_RETRIES = 8
 
@@ -94,6 +101,8 @@ class _LiveCalls:
         # the per-version budget, counted as the buffer counts it (buffers/budget.py)
         self.budget = VersionBudget.from_claim(item)
         self.live_calls = 0
+        #: True once a call's end made the sample COMPLETE (it reached max_response_len)
+        self.completed = False
         self._traj = 0  # the trajectory being written (tags every append, docs/agents.md)
         # tokens of the current call already flushed to the buffer (returned with the call's output)
         self._stream_ids: list[int] = []
@@ -196,6 +205,7 @@ class _LiveCalls:
         w._count_tokens(len(ids))
         w.stats.segments += 1
         if status == SampleStatus.COMPLETE:  # the conversation reached max_response_len in this call
+            self.completed = True
             self.last_output = (all_ids, all_lps, all_vers)
             raise TokenLimit(f"sample {item.sample_id}: reached max_response_len in call {self.live_calls}")
         return all_ids, all_lps, all_vers, ("length" if engine_finish == "length" else "stop")
@@ -239,6 +249,9 @@ class EpisodeRunner:
         self.seed = int(seed)
         self.chat = ChatFormat(worker.tokenizer)
         self.teacher = None
+        #: tool results per episode on this worker (sample id -> EpisodeModel.tool_memo), the
+        #: most recently used :data:`TOOL_MEMO_EPISODES` kept: a replay here does not run its tools again
+        self.tool_memos: collections.OrderedDict[str, dict] = collections.OrderedDict()
         if getattr(agent, "opsd_teacher_url", None):
             from rollout_server.client import EngineClient
 
@@ -317,6 +330,7 @@ class EpisodeRunner:
                              tool_timeout=self.agent.tool_timeout_seconds,
                              episode_timeout=self.agent.episode_timeout_seconds,
                              ended_at_token_limit=(finish == "length"))
+        model.tool_memo = self._tool_memo(item.sample_id, fresh=not history.events)
         model.scorer = functools.partial(self._token_logprobs, live=live)
         model.opsd_coef = self.agent.opsd_coef
         model.opsd_hint = getattr(self.agent, "opsd_hint", None)
@@ -349,7 +363,9 @@ class EpisodeRunner:
         if not model.replay_exhausted:
             return await self._restart(item, model, NonDeterministicWorkflow(
                 f"episode {item.sample_id}: the workflow returned with recorded events left"))
-        if item.kind == WorkKind.GENERATE and not model.at_token_limit:
+        # end the episode unless its last call already completed it at max_response_len; a token limit
+        # met by an observation that did not fit (or at the start of a call) leaves it running
+        if item.kind == WorkKind.GENERATE and live is not None and not live.completed:
             status = await w.buffer.end_segment(item, "stop", trajectory=0)
             if status != SampleStatus.COMPLETE:
                 raise WorkerError(f"episode {item.sample_id}: ending it left status {status}")
@@ -365,6 +381,7 @@ class EpisodeRunner:
             error = error or f"WorkflowError: {exc}"
             info = model.info(Episode(episode.reward, episode.termination, episode.metrics))
         self._count_episode_metrics(episode, model)
+        self.tool_memos.pop(item.sample_id, None)  # ended: never replayed again
         if error is not None:
             await w.buffer.score(item, error=error, info=info)
             w.stats.reward_errors += 1
@@ -379,8 +396,17 @@ class EpisodeRunner:
         w.stats.completed += 1
         return SampleStatus.SCORED if error is None else SampleStatus.FAILED
 
+    def _tool_memo(self, sample_id: str, fresh: bool) -> dict:
+        """The episode's tool memo on this worker; a new one when the episode starts from its prompt."""
+        memo = self.tool_memos.pop(sample_id, None)
+        self.tool_memos[sample_id] = memo = {} if memo is None or fresh else memo
+        while len(self.tool_memos) > TOOL_MEMO_EPISODES:
+            self.tool_memos.popitem(last=False)
+        return memo
+
     async def _restart(self, item: WorkItem, model: EpisodeModel, exc: BaseException) -> SampleStatus:
         log.warning("%s; restarting the episode from its prompt", exc)
+        self.tool_memos.pop(item.sample_id, None)  # it starts again from its prompt
         await self.w.buffer.restart_episode(item)
         if self.w.metrics is not None:
             self.w.metrics.episode_restarted("nondeterministic")

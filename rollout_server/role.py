@@ -179,7 +179,11 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
                 from asyncrl.agents.loader import load_workflow
                 from rollout_server.episodes import EpisodeRunner
 
-                worker.episodes = EpisodeRunner(worker, load_workflow(cfg.agent), cfg.agent, cfg.run.seed)
+                workflow = load_workflow(cfg.agent, reveal(cfg.security.api_key))
+                if workflow.env_client is not None:  # no episode calls a tool before the environment server answers
+                    _print(f"waiting for the environment server at {workflow.env_client.url}")
+                    await workflow.env_client.wait_ready(600.0)
+                worker.episodes = EpisodeRunner(worker, workflow, cfg.agent, cfg.run.seed)
             workers.append(worker)
         for w in workers:
             _print(f"worker {w.opts.worker_id} on {w.client.url} (run {cfg.run.name!r}, "
@@ -198,6 +202,9 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
             code = 1
     finally:
         scorer.close()
+        for w in workers:
+            if getattr(w, "episodes", None) is not None:
+                await w.episodes.workflow.aclose()
         for c in clients:
             await c.close()
         await buf.close()

@@ -133,3 +133,33 @@ async def solver_and_judge(task, model, env):
     await judge.observe("and now?", role="user")
     await judge.generate(max_tokens=4)
     return Episode(0.5, "env_done", trajectory_rewards={"judge": 1.0 if len(model.steps[0].output.token_ids) % 2 else 0.0})
+
+
+#: remote calculator calls of :func:`remote_calculator_calls`
+REMOTE_CALLS = 4
+
+
+def remote_expression(seed: int, k: int, n_tokens: int) -> str:
+    """The expression of call k of :func:`remote_calculator_calls` (a pure function of the episode)."""
+    return f"{seed % 89 + 2}*{k + 3}+{n_tokens}"
+
+
+async def remote_calculator_calls(task, model, env):
+    """REMOTE_CALLS rounds of (a model call of up to 4 tokens, a calculator call on the environment
+    server through the built-in ``CalculatorEnv.calculate``, its result observed); then one more call.
+    Reward: the fraction of calculator calls that returned a result."""
+    ok_calls = 0
+    for k in range(REMOTE_CALLS):
+        out = await model.generate(max_tokens=4)
+        ok, text = await env.calculate(model, remote_expression(task.seed, k, len(out.token_ids)))
+        ok_calls += ok
+        await model.observe(f"<result>{text}</result>" if ok else text, role="tool")
+    await model.generate(max_tokens=4)
+    return Episode(ok_calls / REMOTE_CALLS, "env_done", {"ok_calls": float(ok_calls)})
+
+
+async def observation_overflow(task, model, env):
+    """One call, then an observation longer than what is left of max_response_len: TokenLimit, uncaught."""
+    await model.generate(max_tokens=4)
+    await model.observe("error: " + "this observation does not fit " * 40, role="tool")
+    return Episode(1.0)

@@ -94,6 +94,10 @@ def drive_role(role: str):
         m.request_done("bad_request")
         m.batch_done(texts=8, tokens=900, duration_seconds=0.02)
         m.queue_texts.set(3)
+    elif role == "env_server":
+        m.call_done("calculate", "ok", duration_seconds=1.8, latency_seconds=1.7, replay=True)
+        m.call_done("calculate", "draining")
+        m.in_flight.set(4)
     return reg, m
 
 

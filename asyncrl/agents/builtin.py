@@ -10,8 +10,10 @@
 * ``calculator``: harder arithmetic where the model may call a calculator by writing
   ``<calc>EXPRESSION</calc>`` (the closing tag is optional; ``/`` is integer division); the result comes back as a ``tool`` message
   (``<result>VALUE</result>``, or ``error: ...`` for an expression the calculator refuses), and
-  the model continues. The first output without a calculator call is the final answer; reward
-  1 when it is correct (``Answer: N``, the single-turn task's reward), else 0.
+  the model continues. With ``agent.env_server.enabled`` the calculator runs on the
+  environment server (:mod:`asyncrl.env_server`), with a deadline and a measured latency per
+  call. The first output without a calculator call is the final answer; reward 1 when it is
+  correct (``Answer: N``, the single-turn task's reward), else 0.
 * ``openai_harness``: an existing agent program calling an OpenAI-compatible chat API
   (``agent.harness_command``) runs as the episode, through a session on the rollout worker
   (:mod:`asyncrl.agents.harness`, :mod:`asyncrl.agents.sessions`).
@@ -22,9 +24,7 @@ math-verify reward) in a thread, so a slow check never blocks the worker's event
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -33,58 +33,15 @@ from asyncrl.agents.harness import openai_harness
 from asyncrl.agents.opsd import opsd
 from asyncrl.agents.model import EpisodeModel
 from asyncrl.agents.workflow import Episode, EpisodeTask
+from asyncrl.env_server.tools import safe_calculate
 from asyncrl.tasks.rewards import check_answer
 
 __all__ = ["ArithmeticRetryEnv", "CalculatorEnv", "arithmetic_retry", "arithmetic_opsd", "calculator",
-           "safe_calculate", "CALC_PATTERN", "BUILTIN_WORKFLOWS", "openai_harness"]
+           "safe_calculate", "CALC_PATTERN", "BUILTIN_WORKFLOWS", "ENV_SERVER_WORKFLOWS", "openai_harness"]
 
 #: A calculator call in the model's output: ``<calc>`` then an integer expression (digits, spaces,
 #: ``+ - * / % ( )``); the closing ``</calc>`` is optional (the 135M model rarely writes it).
 CALC_PATTERN = re.compile(r"<calc>\s*([0-9][0-9+\-*/%() ]{0,198})")
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-        ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-
-def safe_calculate(expression: str) -> int:
-    """Evaluate integer arithmetic (``+ - * // %``, parentheses, unary minus), nothing else.
-
-    Args:
-        expression: at most 200 characters.
-
-    Returns:
-        the exact integer value.
-
-    Raises:
-        ValueError: anything but integer literals and those operators, a result or operand
-            beyond 10**30, division by zero, or a longer expression.
-    """
-    if len(expression) > 200:
-        raise ValueError("expression longer than 200 characters")
-    try:
-        tree = ast.parse(expression.strip().replace("×", "*"), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"cannot parse {expression.strip()!r}") from None
-
-    def ev(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-            v = node.value
-        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and b == 0:
-                raise ValueError("division by zero")
-            v = _OPS[type(node.op)](a, b)
-        elif isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            v = _OPS[type(node.op)](ev(node.operand))
-        else:
-            raise ValueError(f"only integers and + - * // % are allowed, got {type(node).__name__}")
-        if abs(v) > 10**30:
-            raise ValueError("number too large")
-        return v
-
-    return ev(tree)
 
 
 async def _correct(text: str, gold: str) -> bool:
@@ -134,14 +91,22 @@ async def arithmetic_opsd(task: EpisodeTask, model: EpisodeModel, env: Arithmeti
 
 @dataclass
 class CalculatorEnv:
-    """The environment of ``calculator``: runs calculator calls, checks the final answer."""
+    """The environment of ``calculator``: runs calculator calls, checks the final answer.
+
+    Attributes:
+        gold: the task's answer.
+        prefill: the task's response prefix (it opens the first call).
+        remote: the environment server's client when ``agent.env_server.enabled`` (the
+            calculator runs there, with its deadline and latency); None: in-process.
+    """
 
     gold: str
     prefill: str
+    remote: Any = None
 
     @classmethod
-    def for_task(cls, task: EpisodeTask) -> "CalculatorEnv":
-        return cls(str(task.metadata.get("gold", "")), str(task.metadata.get("response_prefix") or ""))
+    def for_task(cls, task: EpisodeTask, remote: Any = None) -> "CalculatorEnv":
+        return cls(str(task.metadata.get("gold", "")), str(task.metadata.get("response_prefix") or ""), remote)
 
     def calculator_call(self, output_text: str, first: bool = False) -> str | None:
         """The expression of the first calculator call of an output (of ``prefill + output`` for
@@ -149,8 +114,33 @@ class CalculatorEnv:
         m = CALC_PATTERN.search((self.prefill if first else "") + output_text)
         return m.group(1).strip().replace("/", "//").replace("////", "//") if m else None
 
+    async def calculate(self, model: EpisodeModel, expression: str) -> tuple[bool, str]:
+        """Run one calculator call through ``model.tool``: ``(ok, value or "error: ...")``.
+
+        Remote calls carry a call id that is the same on every replay of the episode
+        (``<sample id>:<trajectory>:<tool call index>``), so a replayed call draws the same latency.
+
+        Raises:
+            EnvServerUnavailable: the environment server stayed unreachable past its outage budget.
+        """
+        if self.remote is None:
+            return await model.tool(safe_calculate, expression)
+        sample = _CALL_ID_UNSAFE.sub("_", model.task.sample_id or "episode")[:200]
+        call_id = f"{sample}:{model.index}:{model.tool_calls}"
+
+        async def remote_calculate(expression: str, call_id: str) -> str:
+            # the replay flag is read when the call runs, and is not an argument: the worker's tool memo
+            # (EpisodeModel.tool_memo) keys a call by its arguments, the same live and in a replay
+            return await self.remote.calculate(expression, call_id, model.replaying)
+
+        return await model.tool(remote_calculate, expression, call_id, timeout=self.remote.max_call_seconds)
+
     async def is_correct(self, output_text: str) -> bool:
         return await _correct(output_text, self.gold)
+
+
+#: Characters a call id may not hold (asyncrl.env_server.schemas.CALL_ID_PATTERN).
+_CALL_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.:/~\-]")
 
 
 async def calculator(task: EpisodeTask, model: EpisodeModel, env: CalculatorEnv) -> Episode:
@@ -163,26 +153,30 @@ async def calculator(task: EpisodeTask, model: EpisodeModel, env: CalculatorEnv)
             return Episode(1.0 if ok else 0.0, "env_done", {"correct": float(ok)})
         if model.turns_left == 0:
             return Episode(0.0, "turn_limit", {"correct": 0.0})
-        ok, result = await model.tool(safe_calculate, expr)
+        ok, result = await env.calculate(model, expr)
         await model.observe(f"<result>{result}</result>" if ok else result, role="tool")
 
 
-def _harness_env(agent: Any):
+def _harness_env(agent: Any, remote: Any = None):
     from asyncrl.agents.harness import HarnessEnv
 
     env = HarnessEnv.from_agent(agent)
     return lambda task: env
 
 
-def _arith_env(agent: Any):
+def _arith_env(agent: Any, remote: Any = None):
     return lambda task: ArithmeticRetryEnv.for_task(task, agent.turn_discount)
 
 
-def _calc_env(agent: Any):
-    return lambda task: CalculatorEnv.for_task(task)
+def _calc_env(agent: Any, remote: Any = None):
+    return lambda task: CalculatorEnv.for_task(task, remote)
 
 
-#: name -> (workflow, env factory builder taking the ``agent`` config section)
+#: name -> (workflow, env factory builder taking the ``agent`` config section and the environment
+#: server's client, or None when ``agent.env_server`` is off)
+#: built-in workflows whose tool runs on the environment server when ``agent.env_server.enabled``
+ENV_SERVER_WORKFLOWS = ("calculator",)
+
 BUILTIN_WORKFLOWS = {
     "arithmetic_retry": (arithmetic_retry, _arith_env),
     "calculator": (calculator, _calc_env),

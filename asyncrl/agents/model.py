@@ -46,6 +46,10 @@ class _Shared:
     tool_calls: int = 0
     tool_failures: int = 0
     replayed_calls: int = 0
+    #: tool results of this episode already obtained on this worker, by (trajectory, tool call index,
+    #: tool, arguments): a replay answers them from here instead of running the tool again (None: off)
+    tool_memo: dict | None = None
+    memo_tool_calls: int = 0
     at_token_limit: bool = False
     t0: float = field(default_factory=time.monotonic)
 
@@ -386,26 +390,86 @@ class EpisodeModel:
             self.response_ids += ids
 
     async def tool(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> tuple[bool, str]:
-        """Run a tool (a plain function, in a thread) with a timeout; count it.
+        """Run a tool with a timeout; count it.
+
+        Args:
+            fn: a plain function (run in a worker thread) or an ``async def`` (awaited on the
+                event loop, e.g. :meth:`asyncrl.env_server.EnvServerClient.calculate`: a remote
+                call waits without holding a thread).
+            args: its arguments.
+            timeout: seconds (default ``agent.tool_timeout_seconds``).
 
         Returns:
             ``(ok, text)``: the tool's result as text, or ``(False, "error: ...")`` when it raised
-            or ran past ``timeout`` (default ``agent.tool_timeout_seconds``). A failing tool is
-            an observation for the model, never a crash of the episode.
+            or ran past ``timeout``; a :class:`~asyncrl.env_server.errors.ToolCallError` gives its
+            own ``observation`` (e.g. the environment server's deadline). A failing tool is an
+            observation for the model, never a crash of the episode. A call this worker already
+            made for the episode is answered from :attr:`tool_memo` (when set) without running.
+
+        Raises:
+            EnvServerUnavailable: the environment server stayed unreachable past its outage
+                budget (an infrastructure failure is not shown to the model: the workflow fails).
         """
         sh = self._shared
+        key = None
+        if sh.tool_memo is not None:
+            key = (self.index, sh.tool_calls, getattr(fn, "__qualname__", type(fn).__name__), repr(args)[:1024])
         sh.tool_calls += 1
+        if key is not None and key in sh.tool_memo:  # a replay of a call this worker already made
+            sh.memo_tool_calls += 1
+            ok, text = sh.tool_memo[key]
+            sh.tool_failures += not ok
+            return ok, text
+        ok, text = await self._run_tool(fn, args, timeout)
+        sh.tool_failures += not ok
+        if key is not None:
+            sh.tool_memo[key] = (ok, text)
+        return ok, text
+
+    async def _run_tool(self, fn: Callable[..., Any], args: tuple, timeout: float | None) -> tuple[bool, str]:
+        from asyncrl.env_server.errors import EnvServerUnavailable, ToolCallError
+
         loop = asyncio.get_running_loop()
         limit = float(timeout if timeout is not None else self.tool_timeout)
         try:
-            result = await asyncio.wait_for(loop.run_in_executor(None, lambda: fn(*args)), limit)
+            if asyncio.iscoroutinefunction(fn):
+                result = await asyncio.wait_for(fn(*args), limit)
+            else:
+                result = await asyncio.wait_for(loop.run_in_executor(None, lambda: fn(*args)), limit)
             return True, str(result)
         except asyncio.TimeoutError:
-            sh.tool_failures += 1
             return False, f"error: the tool took longer than {limit:g} s"
+        except ToolCallError as exc:
+            return False, exc.observation
+        except EnvServerUnavailable:
+            raise
         except Exception as exc:  # noqa: BLE001 - a tool failure is an observation
-            sh.tool_failures += 1
             return False, f"error: {type(exc).__name__}: {exc}"
+
+    @property
+    def tool_memo(self) -> dict | None:
+        """The episode's tool results on this worker (set by the rollout worker; None: every call runs).
+
+        With a memo, a tool call the episode already made here (same trajectory, same position
+        among the episode's tool calls, same tool and arguments) is answered from it: a replay
+        after a budget park or a weight update does not run the tool again, as durable execution
+        (Temporal) does not re-run a recorded activity. A replay on another worker runs it again.
+        """
+        return self._shared.tool_memo
+
+    @tool_memo.setter
+    def tool_memo(self, memo: dict | None) -> None:
+        self._shared.tool_memo = memo
+
+    @property
+    def memo_tool_calls(self) -> int:
+        """Tool calls of the episode answered from the memo (all trajectories)."""
+        return self._shared.memo_tool_calls
+
+    @property
+    def replaying(self) -> bool:
+        """True while this trajectory still has recorded events to replay (its calls are answered from the record)."""
+        return not self.history.exhausted
 
     # ------------------------------------------------------------------ results
     def info(self, episode: Episode) -> dict[str, Any]:
@@ -416,7 +480,7 @@ class EpisodeModel:
             raise ValueError(f"Episode.trajectory_rewards names trajectories that were not opened: {unknown}")
         out: dict[str, Any] = {"termination": episode.termination, "turns": len(self.all_steps),
                                "tool_calls": sh.tool_calls, "tool_failures": sh.tool_failures,
-                               "replayed_calls": sh.replayed_calls,
+                               "replayed_calls": sh.replayed_calls, "memo_tool_calls": sh.memo_tool_calls,
                                **{f"m_{k}": float(v) for k, v in sorted(episode.metrics.items())[:16]}}
         if len(sh.names) > 1:
             out["trajectories"] = list(sh.names)

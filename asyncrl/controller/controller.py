@@ -229,6 +229,8 @@ class Controller(ControllerEvaluation):
             env[API_KEY_ENV] = api_key  # config.yaml holds no secrets: roles get them from the environment
         specs, self.rollout_urls = role_specs(self.cfg, self.cfg_path, env, assignment)
         for spec in specs:  # each role its own Redis user (docs/security.md)
+            if spec.name == "env-server":  # it never talks to Redis: no credentials at all
+                continue
             role = "rollout" if spec.name.startswith("rollout") else spec.name
             spec.env[REDIS_URL_ENV] = self.role_redis_url(role if role in ("feeder", "rollout", "trainer") else "controller")
         return specs

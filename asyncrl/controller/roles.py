@@ -1,9 +1,11 @@
-"""The processes of an ``asyncrl train`` run: the prompt feeder, the reward model, the rollout servers and the trainer.
+"""The processes of an ``asyncrl train`` run: the prompt feeder, the reward model, the environment
+server, the rollout servers and the trainer.
 
 One job: turn the config and the core split (:class:`asyncrl.controller.resources.Assignment`) into each
 role's :class:`asyncrl.controller.supervisor.RoleSpec`: command line, environment, cores, GPUs, nice
 value, health check, restart and stop policy (the feeder stops first, then the rollout servers,
-then the reward model, which they may still be waiting on while they drain, and the trainer).
+then the reward model and the environment server, which they may still be waiting on while they
+drain, and the trainer).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from asyncrl.controller.resources import Assignment
 
-__all__ = ["FATAL_EXIT_CODES", "child_env", "role_specs", "reward_model_spec"]
+__all__ = ["FATAL_EXIT_CODES", "child_env", "role_specs", "reward_model_spec", "env_server_spec"]
 
 #: Exit statuses of roles that restarting cannot fix (argument/config errors).
 FATAL_EXIT_CODES = (2,)
@@ -56,6 +58,9 @@ def role_specs(cfg: Any, cfg_path: Path, env: dict[str, str], assignment: Assign
     rm_spec = reward_model_spec(cfg, cfg_arg, env, assignment)  # sets the port every role reads, so first
     if rm_spec is not None:
         specs.append(rm_spec)
+    es_spec = env_server_spec(cfg, cfg_arg, env, assignment)  # likewise: the rollout servers read its port
+    if es_spec is not None:
+        specs.append(es_spec)
     urls = list(cfg.rollout.server_urls)
     base_port = cfg.rollout.base_port
     n = len(assignment.rollout_cores)
@@ -134,5 +139,42 @@ def reward_model_spec(cfg: Any, cfg_arg: list[str], env: dict[str, str], assignm
     url = rm.model_copy(update={"port": port}).server_url
     return RoleSpec("reward-model", role_command("reward-model", *cfg_arg), env=renv, cores=cores, restart=True,
                     stop_order=2, fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=rm.drain_timeout_seconds + 10.0,
+                    health_check=http_health_check(url + "/health"), health_interval_seconds=5.0, health_failures=6,
+                    nice=assignment.rollout_nice)
+
+
+def env_server_spec(cfg: Any, cfg_arg: list[str], env: dict[str, str], assignment: Assignment) -> Any:
+    """The environment server's :class:`~asyncrl.controller.supervisor.RoleSpec`, or None.
+
+    None unless ``agent.env_server.enabled`` and ``agent.env_server.url`` is not set (an attached
+    server runs elsewhere). When ``agent.env_server.port`` is 0 or busy, a free port is chosen and
+    announced to every role in ``env`` (``ASYNCRL_AGENT__ENV_SERVER__PORT``). The server is
+    restarted when it dies (it keeps no state: the rollout workers send the calls in flight again,
+    docs/agents.md), is health-checked on ``/health``, gets no Redis credentials (it never talks
+    to Redis), runs on the rollout servers' cores at their nice value (it mostly waits) and stops
+    after the rollout servers, whose draining episodes may still be calling it.
+    """
+    from asyncrl.core.net import free_port, ports_free
+    from asyncrl.controller.supervisor import RoleSpec, http_health_check, role_command
+
+    es = cfg.agent.env_server
+    if not es.enabled or es.url is not None:
+        return None
+    port = es.port
+    if port == 0 or not ports_free(es.host, port, 1):
+        port = free_port(es.host)
+        if es.port:
+            print(f"asyncrl train: port {es.port} is busy; the environment server uses {port}", file=sys.stderr)
+        env["ASYNCRL_AGENT__ENV_SERVER__PORT"] = str(port)
+    cores = None
+    if all(c is not None for c in assignment.rollout_cores):
+        cores = sorted({core for c in assignment.rollout_cores for core in c})
+    from asyncrl.core.secret_values import REDIS_URL_ENV
+
+    senv = {k: v for k, v in env.items() if k not in ("ASYNCRL_BUFFER__REDIS_URL", REDIS_URL_ENV)}
+    senv["OMP_NUM_THREADS"] = "1"
+    url = es.model_copy(update={"port": port}).server_url
+    return RoleSpec("env-server", role_command("env-server", *cfg_arg), env=senv, cores=cores, restart=True,
+                    stop_order=2, fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=es.drain_timeout_seconds + 10.0,
                     health_check=http_health_check(url + "/health"), health_interval_seconds=5.0, health_failures=6,
                     nice=assignment.rollout_nice)

@@ -355,6 +355,8 @@ def _role_kind(name: str) -> str:
     """Closed-set role label of a supervised process (``rollout-3`` -> ``rollout``; the feeder is the controller's)."""
     if name == "reward-model":
         return "reward_model"
+    if name == "env-server":
+        return "env_server"
     return "rollout" if name.startswith("rollout") else ("trainer" if name == "trainer" else "controller")
 
 

@@ -179,6 +179,8 @@ class AsyncRLConfig(_Section):
             raise ValueError("rollout.api_key_required is set but security.api_key is empty")
         if self.reward.model.api_key_required and not self.security.api_key:
             raise ValueError("reward.model.api_key_required is set but security.api_key is empty")
+        if self.agent.env_server.api_key_required and not self.security.api_key:
+            raise ValueError("agent.env_server.api_key_required is set but security.api_key is empty")
         if self.data.task in FILE_TASKS and self.data.path is None:
             raise ValueError(f"data.task={self.data.task} needs data.path (a local file)")
         return self

@@ -142,6 +142,10 @@ async def _evaluate(model, tokenizer, problems, cfg, temperature, seed, batch_si
     from rollout_server.engine import Engine
 
     agent = cfg.agent
+    if agent.env_server.enabled:
+        # held-out accuracy does not depend on the tool's latency, and during a run the controller
+        # pauses every role (the environment server too) while it evaluates: the tool runs in-process
+        agent = agent.model_copy(update={"env_server": agent.env_server.model_copy(update={"enabled": False})})
     workflow = load_workflow(agent)
     chat = ChatFormat(tokenizer)
     stop_ids = _stop_token_ids(model, tokenizer)

@@ -42,7 +42,8 @@ Which process exports what: rollout servers export :class:`RolloutMetrics` (the 
 engine additionally exports SGLang's own ``sglang:`` engine metrics, :data:`SGLANG_ENGINE_METRICS`,
 the only names exempt from these rules); trainer rank 0 exports :class:`TrainerMetrics`;
 the controller exports :class:`ControllerMetrics`; the reward-model server exports
-:class:`RewardModelMetrics`. :class:`BufferMetrics` counts replay-buffer
+:class:`RewardModelMetrics`; the environment server exports :class:`EnvServerMetrics`.
+:class:`BufferMetrics` counts replay-buffer
 events and may be instantiated in any process that performs them (counters add up across
 processes with ``sum``); its state gauges (samples by state, the version clock) are set only
 by the process that polls the buffer's stats (the controller).
@@ -80,6 +81,7 @@ from asyncrl.metrics.labels import (
     exponential_buckets,
 )
 from asyncrl.metrics.lint import lint_exposition
+from asyncrl.metrics.env_server import EnvServerMetrics
 from asyncrl.metrics.reward_model import RewardModelMetrics
 from asyncrl.metrics.rollout import RolloutMetrics
 from asyncrl.metrics.serving import (
@@ -120,6 +122,7 @@ __all__ = [
     "TrainerMetrics",
     "ControllerMetrics",
     "RewardModelMetrics",
+    "EnvServerMetrics",
     "build_info",
     "git_sha",
     "role_registry",

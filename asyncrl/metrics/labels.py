@@ -24,7 +24,7 @@ prometheus_client.disable_created_metrics()
 # label vocabularies (low cardinality, closed sets)
 
 #: Values of ``asyncrl_build_info{role}``.
-ROLES: tuple[str, ...] = ("rollout", "trainer", "controller", "buffer", "reward_model")
+ROLES: tuple[str, ...] = ("rollout", "trainer", "controller", "buffer", "reward_model", "env_server")
 #: Why an engine request (one segment) ended: SGLang's ``meta_info.finish_reason.type``
 #: (``stop``/``length``/``abort``) plus ``budget`` (reached ``max_budget`` under this policy
 #: version; the sample is parked) and ``error`` (HTTP/engine failure).
@@ -63,6 +63,11 @@ EPISODE_COUNT_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 #: Outcome of one ``POST /score`` request to the reward-model server: answered, rejected by its
 #: schema or auth (4xx), refused while draining (503), or failed in the forward pass (500).
 RM_REQUEST_RESULTS: tuple[str, ...] = ("ok", "bad_request", "unauthorized", "draining", "error")
+#: Outcome of one tool call on the environment server: a result, the tool refused its input, the
+#: call's deadline passed, or the request was refused (schema or size 400/413, auth 401, draining 503).
+ENV_CALL_OUTCOMES: tuple[str, ...] = ("ok", "tool_error", "deadline", "bad_request", "unauthorized", "draining")
+#: The tools the environment server serves (``asyncrl.env_server.tools.TOOLS``).
+ENV_TOOLS: tuple[str, ...] = ("calculate",)
 
 #: SGLang engine metric names (``python/sglang/srt/metrics/collector.py``) that dashboards may
 #: query; the embedded torch engine exports the same names (with the ``model_name`` label) so
@@ -110,6 +115,9 @@ RESPONSE_LENGTH_BUCKETS_TOKENS = tuple(float(2**i) for i in range(4, 16))
 RM_BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))
 #: One reward-model request or forward pass: 5 ms .. 5 min.
 RM_DURATION_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: One environment-server call or its drawn latency: 10 ms .. 2 min, dense around measured
+#: sandbox times (0.2 .. 5 s, docs/agents.md).
+ENV_DURATION_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20, 30, 60, 120)
 #: Per-sample reward (after scale/bias/clip; ``data.reward_clip`` defaults to 10).
 REWARD_BUCKETS = (-10, -5, -2, -1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5, 10)
 

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from asyncrl.metrics.buffer import BufferMetrics
 from asyncrl.metrics.controller import ControllerMetrics
+from asyncrl.metrics.env_server import EnvServerMetrics
 from asyncrl.metrics.labels import ROLES, _check
 from asyncrl.metrics.reward_model import RewardModelMetrics
 from asyncrl.metrics.rollout import RolloutMetrics
@@ -66,13 +67,13 @@ def role_registry(role: str) -> tuple[CollectorRegistry, object]:
 
     Returns ``(registry, metrics)`` where ``metrics`` is a :class:`RolloutMetrics`,
     :class:`TrainerMetrics`, :class:`ControllerMetrics`, :class:`BufferMetrics` or
-    :class:`RewardModelMetrics`.
+    :class:`RewardModelMetrics` or :class:`EnvServerMetrics`.
 
     Raises:
         ValueError: unknown ``role``.
     """
     classes = {"rollout": RolloutMetrics, "trainer": TrainerMetrics, "controller": ControllerMetrics, "buffer": BufferMetrics,
-               "reward_model": RewardModelMetrics}
+               "reward_model": RewardModelMetrics, "env_server": EnvServerMetrics}
     _check(role, ROLES, "role")
     reg = CollectorRegistry()
     build_info(reg, role)
