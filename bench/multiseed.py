@@ -489,6 +489,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def config_digest(path: str | Path) -> str:
+    """SHA-256 (hex) of the config file's bytes: runs of a changed config are never mixed in one JSON.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist (relative paths are read from the repository).
+    """
+    import hashlib
+
+    p = Path(path)
+    if not p.is_absolute() and not p.exists():
+        p = Path(__file__).resolve().parent.parent / p
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
 def parse_arms(names: str, custom: Sequence[str]) -> dict[str, list[str] | None]:
     """``--arms`` and ``--arm NAME=FLAGS`` -> arm name -> flags (None for ``trl``).
 
@@ -550,9 +564,14 @@ def main(argv: list[str] | None = None) -> int:
     if "trl" in arms and args.steps is not None:
         ap.error("the trl arm runs for a time, not a step count: use --minutes")
     settings = {"config": args.config, "steps": args.steps, "minutes": args.minutes, "eval_every": args.eval_every,
-                "num_problems": args.num_problems}
+                "num_problems": args.num_problems, "config_sha256": config_digest(args.config)}
     if report is None:
         report = {"title": args.title, "settings": settings, "arms": list(arms), "arm_flags": {}, "runs": []}
+    elif report["settings"].get("config_sha256") != settings["config_sha256"] and \
+            {k: v for k, v in report["settings"].items() if k != "config_sha256"} == \
+            {k: v for k, v in settings.items() if k != "config_sha256"}:
+        ap.error(f"{args.json} holds runs of another version of {args.config} (its content changed since: an "
+                 "arm without flags, such as the shipped default, would now mean something else); use another --json")
     elif report["settings"] != settings:
         ap.error(f"{args.json} holds runs with other settings ({report['settings']}); use another --json")
     for a in arms:

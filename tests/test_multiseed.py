@@ -122,7 +122,7 @@ def test_compute_stats_and_replot_from_json(ms, tmp_path):
 def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path, capsys):
     path = tmp_path / "r.json"
     settings = {"config": "configs/smollm2_arith.yaml", "steps": 50, "minutes": None, "eval_every": 25,
-                "num_problems": 400}
+                "num_problems": 400, "config_sha256": ms.config_digest("configs/smollm2_arith.yaml")}
     path.write_text(json.dumps({"title": None, "settings": settings, "arms": ["async"], "arm_flags": {"async": []},
                                 "runs": [_run("async", 1, [(0, 0, 0.2)])]}))
     assert ms.main(["--arms", "async,sync", "--seeds", "2", "--steps", "50", "--json", str(path), "--dry_run"]) == 0
@@ -138,6 +138,12 @@ def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path
     with pytest.raises(SystemExit):  # TRL trains for a time: a step-count comparison cannot hold it
         ms.main(["--arms", "async,trl", "--seeds", "1", "--steps", "50", "--json", str(path), "--dry_run"])
     assert "use --minutes" in capsys.readouterr().err
+    # Runs of an older content of the same config file: "async" (no flags) would mean another recipe.
+    path.write_text(json.dumps({"title": None, "settings": {**settings, "config_sha256": "0" * 64}, "arms": ["async"],
+                                "arm_flags": {"async": []}, "runs": [_run("async", 1, [(0, 0, 0.2)])]}))
+    with pytest.raises(SystemExit):
+        ms.main(["--arms", "async", "--seeds", "2", "--steps", "50", "--json", str(path), "--dry_run"])
+    assert "another version of configs/smollm2_arith.yaml" in capsys.readouterr().err
 
 
 def test_read_run_from_a_run_directory(ms, tmp_path):
