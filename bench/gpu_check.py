@@ -31,7 +31,9 @@ Stages, in order (``--dry-run`` prints the plan with commands and timeouts):
 ``sglang``       whether SGLang imports, and its version (the real-SGLang test is in gpu_tests)
 
 Output: ``<out-dir>/gpu_check-<UTC timestamp>.json`` (a rerun adds a file, never overwrites),
-each stage's full log under ``<out-dir>/logs-<timestamp>/``. Paths in the report are written
+each stage's full log under ``<out-dir>/logs-<timestamp>/``. The report is rewritten after every
+stage (``"complete": false`` until the last one), so a check stopped from outside keeps what it
+measured. Paths in the report are written
 relative: ``<repo>`` (the checkout), ``<out>`` (``--out-dir``), ``<work>`` (the temporary work
 folder), so a report says nothing of the machine's folders. A copy of the tree without its
 ``.git`` gets its commit from ``GPU_CHECK_GIT_COMMIT``.
@@ -326,7 +328,7 @@ def _decode_collect(ctx: Ctx, log: str) -> dict[str, Any]:
 
 def _trainer_cmd(ctx: Ctx) -> list[str]:
     return _py(ctx, str(REPO / "bench" / "trainer_bench.py"), "--model", model_path(ctx), "--device", ctx.args.device,
-               "--precision", ctx.args.trainer_precision, "--steps", "3", "--groups", "32",
+               "--precision", ctx.args.trainer_precision, "--steps", "3", "--groups", str(ctx.args.trainer_groups),
                "--micro_batch_tokens", "8192", "--json", str(ctx.out("trainer")))
 
 
@@ -550,7 +552,8 @@ def run_stage(stage: Stage, ctx: Ctx, budget_left: float) -> dict[str, Any]:
                 rec["returncode"] = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
-                rec["error"] = f"timed out after {timeout:.0f} s"
+                left = kill_leftovers(ctx.work_dir)
+                rec["error"] = f"timed out after {timeout:.0f} s" + (f" (killed {left} leftover processes)" if left else "")
         log = log_path.read_text(errors="replace")
         if rec["error"] is None and rec["returncode"] not in stage.ok_returncodes:
             rec["error"] = f"exit status {rec['returncode']}: {log[-1500:]}"
@@ -572,6 +575,26 @@ def run_stage(stage: Stage, ctx: Ctx, budget_left: float) -> dict[str, Any]:
     finally:
         rec["seconds"] = round(time.monotonic() - t0, 3)
     return rec
+
+
+def kill_leftovers(work_dir: Path) -> int:
+    """SIGKILL the processes whose command line names ``work_dir`` (this check's own: the roles of
+    a main job run in their own sessions, and a trainer stopping gracefully can outlive its
+    controller); returns how many. Linux only (``/proc``); elsewhere 0."""
+    import signal
+
+    needle = str(work_dir).encode()
+    n = 0
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            pid = int(d.name)
+            if pid == os.getpid() or needle not in (d / "cmdline").read_bytes():
+                continue
+            os.kill(pid, signal.SIGKILL)
+            n += 1
+        except (OSError, ValueError):
+            continue
+    return n
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -710,6 +733,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cuda (default); cpu rehearses every stage without a GPU (its figures mean nothing for a GPU)")
     ap.add_argument("--gen-tokens", type=int, default=128, help="decode: tokens generated per sequence (default 128)")
+    ap.add_argument("--trainer-groups", type=int, default=32,
+                    help="trainer: prompt groups of 2 samples per batch (default 32: ~8k-token micro-batches)")
     a = ap.parse_args(argv)
     if a.wheels is not None and not a.wheels.is_dir():
         ap.error(f"--wheels {a.wheels}: not a directory")
@@ -721,6 +746,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--batch-sizes must be >= 1")
     if a.gen_tokens < 2:
         ap.error("--gen-tokens must be >= 2")
+    if a.trainer_groups < 1:
+        ap.error("--trainer-groups must be >= 1")
     return a
 
 
@@ -772,26 +799,44 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"           {'ok' if rec['ok'] else 'FAILED: ' + str(rec['error'])[:300]} ({rec['seconds']:.1f} s)",
                   flush=True)
+        # after every stage: a check stopped from outside (a timeout, the machine taken back) still
+        # leaves the report of the stages it finished ("complete": false)
+        write_report(path, ctx, args, argv, now, t_start, stages, complete=False)
+    report = write_report(path, ctx, args, argv, now, t_start, stages, complete=True)
+    print(f"gpu_check: wrote {path}", flush=True)
+    print(json.dumps(report["summary"], indent=2, default=str), flush=True)
+    kill_leftovers(ctx.work_dir)  # nothing the check started outlives it
+    shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the shaped model (~540 MB), run checkpoints
+    return 0
+
+
+#: what an unfinished report says of the stages it did not reach
+NOT_REACHED = "not reached: the check was stopped before this stage (see 'complete')"
+
+
+def write_report(path: Path, ctx: Ctx, args: argparse.Namespace, argv: list[str] | None, now: _dt.datetime,
+                 t_start: float, stages: dict[str, dict[str, Any]], complete: bool) -> dict[str, Any]:
+    """Write the report (atomically; ``complete`` false while stages are still to come) and return it."""
+    full = {s.name: stages.get(s.name, {"ran": False, "why": NOT_REACHED}) for s in STAGES}
     report = {
-        "schema": SCHEMA, "dry_run": bool(args.dry_run), "started": now.isoformat(),
+        "schema": SCHEMA, "dry_run": bool(args.dry_run), "complete": complete, "started": now.isoformat(),
         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
         "wall_seconds": round(time.monotonic() - t_start, 3), "argv": list(sys.argv[1:] if argv is None else argv),
         "budget_seconds": args.budget_seconds, "git": _git(), "host": socket.gethostname(),
         "device": args.device, "rehearsal_on_cpu": args.device == "cpu",
-        "stages": stages, "summary": summarize(stages),
+        "stages": full, "summary": summarize(full),
         "units": {"*_tokens_per_second": "tokens/s", "*_seconds": "s", "*_bytes": "bytes", "peak_tflops": "TFLOPS (dense)",
                   "mfu": "fraction of peak_tflops"},
     }
-    places = {str(ctx.work_dir): "<work>", str(out_dir): "<out>", str(REPO): "<repo>"}
+    places = {str(ctx.work_dir): "<work>", str(path.parent): "<out>", str(REPO): "<repo>"}
     report = portable(report, dict(sorted(places.items(), key=lambda kv: -len(kv[0]))))
     problems = validate_report(report)
     if problems:  # a bug in this script: still write what there is
         report["shape_problems"] = problems
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"gpu_check: wrote {path}", flush=True)
-    print(json.dumps(report["summary"], indent=2, default=str), flush=True)
-    shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the shaped model (~540 MB), run checkpoints
-    return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return report
 
 
 class _DryCtx(Ctx):

@@ -78,7 +78,7 @@ def test_dry_run_prints_the_plan_and_writes_a_dry_run_report(tmp_path):
     assert path.name.endswith("-dry-run.json")
     rep = json.loads(path.read_text())
     assert gc.validate_report(rep) == []
-    assert rep["dry_run"] is True and rep["schema"] == gc.SCHEMA
+    assert rep["dry_run"] is True and rep["schema"] == gc.SCHEMA and rep["complete"] is True
     assert list(rep["stages"]) == gc.STAGE_NAMES
     for name, s in rep["stages"].items():
         assert s["ran"] is False and s["why"] == "dry run", name
@@ -278,7 +278,7 @@ def test_cpu_rehearsal_runs_every_stage_end_to_end(tmp_path):
     out = tmp_path / "out"
     p = run("--device", "cpu", "--model", "tiny", "--only", "environment", "model", "decode", "trainer", "main_job",
             "--batch-sizes", "1", "4", "--gen-tokens", "8", "--main-job-steps", "2", "--decode-dtype", "float32",
-            "--trainer-precision", "fp32", "--out-dir", str(out), timeout=900)
+            "--trainer-precision", "fp32", "--trainer-groups", "2", "--out-dir", str(out), timeout=900)
     assert p.returncode == 0, p.stderr
     rep = json.loads(reports(out)[0].read_text())
     assert gc.validate_report(rep) == [] and rep["rehearsal_on_cpu"] is True
@@ -289,3 +289,41 @@ def test_cpu_rehearsal_runs_every_stage_end_to_end(tmp_path):
     assert all(v and v > 0 for v in s["server_decode_tokens_per_second_by_batch"].values())
     assert s["trainer_tokens_per_second"] > 0 and s["publish_seconds"] > 0 and s["load_seconds"] > 0
     assert s["main_job_last_step"] == 2
+
+
+def test_a_report_is_written_after_every_stage(tmp_path):
+    """A check stopped from outside (the borrowed machine's time runs out) keeps the stages it
+    finished: the report is rewritten after each one, marked incomplete, the rest 'not reached'."""
+    ctx = _ctx(tmp_path)
+    path = tmp_path / "gpu_check-x.json"
+    import datetime as dt
+    import time as _t
+
+    stages = {"environment": {"ran": True, "ok": True, "seconds": 1.0, "timeout_seconds": 30, "error": None,
+                              "result": {"device_name": "X"}}}
+    rep = gc.write_report(path, ctx, ctx.args, [], dt.datetime.now(dt.timezone.utc), _t.monotonic(), stages, complete=False)
+    on_disk = json.loads(path.read_text())
+    assert on_disk == json.loads(json.dumps(rep)) and on_disk["complete"] is False
+    assert gc.validate_report(on_disk) == [] and list(on_disk["stages"]) == gc.STAGE_NAMES
+    assert on_disk["stages"]["decode"] == {"ran": False, "why": gc.NOT_REACHED}
+    assert on_disk["summary"]["gpu"] == "X"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_leftover_processes_of_the_check_are_killed(tmp_path):
+    """A role that outlives its killed controller (it runs in its own session) is found by the work
+    folder in its command line and killed; other processes are left alone."""
+    work = tmp_path / "asyncrl_gpu_check_x"
+    work.mkdir()
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(work / "runs" / "config.yaml")],
+                            start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "elsewhere")])
+    try:
+        assert gc.kill_leftovers(work) == 1
+        assert mine.wait(timeout=10) == -9
+        assert other.poll() is None
+    finally:
+        for p in (mine, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
