@@ -33,10 +33,10 @@ Stages, in order (``--dry-run`` prints the plan with commands and timeouts):
 Output: ``<out-dir>/gpu_check-<UTC timestamp>.json`` (a rerun adds a file, never overwrites),
 each stage's full log under ``<out-dir>/logs-<timestamp>/``. The report is rewritten after every
 stage (``"complete": false`` until the last one), so a check stopped from outside keeps what it
-measured. Paths in the report are written
-relative: ``<repo>`` (the checkout), ``<out>`` (``--out-dir``), ``<work>`` (the temporary work
-folder), so a report says nothing of the machine's folders. A copy of the tree without its
-``.git`` gets its commit from ``GPU_CHECK_GIT_COMMIT``.
+measured. Paths in the report are written relative: ``<repo>`` (the checkout), ``<out>``
+(``--out-dir``), ``<work>`` (the temporary work folder), ``<wheels>`` (``--wheels``), so a report
+says nothing of the machine's folders. A copy of the tree without its ``.git`` gets its commit
+from ``GPU_CHECK_GIT_COMMIT``.
 
 ``--device cpu`` rehearses the whole check without a GPU (every stage on the CPU; with
 ``--model tiny`` it takes a few minutes on two cores): how the check is tested before a GPU
@@ -829,6 +829,9 @@ def write_report(path: Path, ctx: Ctx, args: argparse.Namespace, argv: list[str]
                   "mfu": "fraction of peak_tflops"},
     }
     places = {str(ctx.work_dir): "<work>", str(path.parent): "<out>", str(REPO): "<repo>"}
+    if args.wheels is not None:
+        places[str(args.wheels.resolve())] = "<wheels>"
+        places[str(args.wheels)] = "<wheels>"
     report = portable(report, dict(sorted(places.items(), key=lambda kv: -len(kv[0]))))
     problems = validate_report(report)
     if problems:  # a bug in this script: still write what there is

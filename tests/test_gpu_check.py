@@ -153,6 +153,7 @@ def test_wheels_go_to_a_fresh_folder_that_later_stages_import_from(tmp_path):
     w = rep["stages"]["wheels"]
     assert w["ok"] is True, w
     assert "--target" in w["command"] and w["result"]["target"] == "<work>/site"
+    assert w["result"]["dir"] == "<wheels>" and str(tmp_path) not in reports(out)[0].read_text()
     assert w["result"]["wheels"] == ["sglang-0.0.1-py3-none-any.whl"]
     sg = rep["stages"]["sglang"]
     assert sg["ran"] is True and sg["ok"] is True and sg["result"]["version"] == "0.0.1"
