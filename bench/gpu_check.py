@@ -406,6 +406,12 @@ def _main_job_collect(ctx: Ctx, log: str) -> dict[str, Any]:
         dst = keep / f.relative_to(run_dir)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, dst)
+    # the roles' own logs (rollout server, trainer, feeder, redis), the last 200 kB of each
+    for f in sorted(run_dir.rglob("*.log")) if run_dir.exists() else []:
+        dst = ctx.log_dir / "main_job_roles" / f.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        data = f.read_bytes()
+        dst.write_bytes(data[-200_000:])
     return out
 
 
@@ -463,11 +469,11 @@ STAGES: list[Stage] = [
           ["option:wheels", "module:pip"], command=_wheels_cmd, collect=_wheels_collect),
     Stage("environment", "GPU, torch/CUDA versions, importable modules, executables, redis-server", 30, [],
           run=_environment_run),
-    Stage("model", "SmolLM2-135M-Instruct if prepared or preparable, else its shape with random weights", 60,
+    Stage("model", "SmolLM2-135M-Instruct if prepared or preparable, else its shape with random weights", 45,
           ["module:torch", "module:transformers", "module:safetensors", "module:tokenizers", "module:pydantic"],
           command=_model_cmd, collect=_model_collect),
     Stage("decode", "decode tokens/s vs batch size: plain KV-cache loop and the embedded server, both on the GPU "
-          "(bench/rollout_bench.py)", 120,
+          "(bench/rollout_bench.py)", 150,
           ["cuda", "stage:model", "module:transformers", "module:aiohttp", "module:pydantic"], command=_decode_cmd,
           collect=_decode_collect),
     Stage("trainer", "trainer tokens/s, MFU, weight publish + load (bench/trainer_bench.py --device cuda)", 120,
@@ -732,7 +738,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "tiny: the test model (a rehearsal: its figures mean nothing)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cuda (default); cpu rehearses every stage without a GPU (its figures mean nothing for a GPU)")
-    ap.add_argument("--gen-tokens", type=int, default=128, help="decode: tokens generated per sequence (default 128)")
+    ap.add_argument("--gen-tokens", type=int, default=64,
+                    help="decode: tokens generated per sequence (default 64: six batch sizes, server and loop, in 150 s)")
     ap.add_argument("--trainer-groups", type=int, default=32,
                     help="trainer: prompt groups of 2 samples per batch (default 32: ~8k-token micro-batches)")
     a = ap.parse_args(argv)
