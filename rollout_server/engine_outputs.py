@@ -77,7 +77,7 @@ class EngineOutputs:
                 failed += self._fail_nonfinite([samples[k] for k in exc.rows], "sampling (after penalties, logit bias and temperature)")
                 keep = [k for k in range(len(samples)) if k not in bad]
                 samples = [samples[k] for k in keep]
-                logits = logits[torch.tensor(keep, dtype=torch.long)] if keep else logits[:0]
+                logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)] if keep else logits[:0]
             except Exception as exc:  # a request's own parameters made sampling raise: find it, fail it alone
                 if len(samples) == 1:
                     failed += self._fail_requests(samples, exc, "sampling its next token")

@@ -111,6 +111,8 @@ class EnginePrefill:
         torch = self.torch
         P = len(items)
         L = max(len(it.ids) for it in items)
+        dev = self.device
+        # built on the host (P small writes), moved to the engine's device once
         ids = torch.zeros(P, L, dtype=torch.long)
         pad_mask = torch.zeros(P, L, dtype=torch.bool)
         pos = torch.zeros(P, L, dtype=torch.long)
@@ -119,8 +121,9 @@ class EnginePrefill:
             ids[i, L - n :] = torch.tensor(it.ids, dtype=torch.long)
             pad_mask[i, L - n :] = True
             pos[i, L - n :] = torch.arange(n)
-        causal = torch.ones(L, L, dtype=torch.bool).tril()
-        mask4 = (causal[None] & pad_mask[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
+        ids, pad_mask, pos = ids.to(dev), pad_mask.to(dev), pos.to(dev)
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        mask4 = (causal[None] & pad_mask[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]
         want_prompt_lp = any(s.logprob_start_len >= 0 and s.return_logprob for it in items for s in it.samples)
         from transformers import DynamicCache
 
@@ -155,7 +158,7 @@ class EnginePrefill:
             if go:
                 placements.append((i, go))
         # a prompt whose logits are not finite fails on its own (500), the others are placed
-        bad_items = set(self._nonfinite_rows(last[torch.tensor([i for i, _ in placements], dtype=torch.long)]))
+        bad_items = set(self._nonfinite_rows(last[torch.tensor([i for i, _ in placements], dtype=torch.long, device=dev)]))
         if bad_items:
             for k in sorted(bad_items):
                 i, go = placements[k]
@@ -168,7 +171,7 @@ class EnginePrefill:
             for j, s in enumerate(go):
                 if s.params.sampling_seed is not None and s.generator is None:
                     try:
-                        s.generator = torch.Generator().manual_seed(int(s.params.sampling_seed) + j)
+                        s.generator = torch.Generator(device=dev).manual_seed(int(s.params.sampling_seed) + j)
                     except Exception as exc:
                         updated += self._fail_requests([s], exc, "seeding its sampling generator")
                         seed_failed.add(id(s))
@@ -180,7 +183,7 @@ class EnginePrefill:
         # sample the first new token of every placed sample from its item's last logits
         row_items = [i for i, go in placements for _ in go]
         samples = [s for _, go in placements for s in go]
-        logits = last[torch.tensor(row_items)].clone()
+        logits = last[torch.tensor(row_items, device=dev)].clone()
         for _, go in placements:
             for j, s in enumerate(go):
                 if j > 0 and not s.output_ids:

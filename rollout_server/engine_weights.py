@@ -98,7 +98,7 @@ class EngineWeights:
         out: dict = {}
         nonfinite = []
         for name, t in state.items():
-            c = t.detach().to(device="cpu", dtype=params[name].dtype)
+            c = t.detach().to(device=params[name].device, dtype=params[name].dtype)  # checked where it will live
             if not bool(torch.isfinite(c).all()):
                 nonfinite.append(f"{name} ({int((~torch.isfinite(c)).sum())} of {c.numel()} values)")
             out[name] = c

@@ -72,8 +72,8 @@ class _BufferLayer:
 class KVCacheSlots:
     """Batch slots and their KV buffers (mixin of :class:`rollout_server.engine.Engine`).
 
-    Expects ``torch``, ``model``, ``num_layers``, ``kv_heads``, ``head_dim``, ``dtype`` and
-    ``max_batch_size`` on the engine.
+    Expects ``torch``, ``model``, ``num_layers``, ``kv_heads``, ``head_dim``, ``dtype``, ``device``
+    and ``max_batch_size`` on the engine; every buffer is allocated on ``device``.
     """
 
     def _init_batch(self, model: Any) -> None:
@@ -106,7 +106,7 @@ class KVCacheSlots:
         slots = self._claim_slots(n_new, new_len + 1)
         k = 0
         for n, i, go in placements:
-            idx = torch.tensor(slots[k : k + len(go)], dtype=torch.long)
+            idx = torch.tensor(slots[k : k + len(go)], dtype=torch.long, device=self.device)
             for layer in range(self.num_layers):
                 src_k = kv[layer][0][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
                 src_v = kv[layer][1][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
@@ -123,8 +123,8 @@ class KVCacheSlots:
             for j, s in enumerate(go):
                 self._rows[slots[k + j]] = _Row(s, self._length - n)
             k += len(go)
-        idx_all = torch.tensor(slots, dtype=torch.long)
-        self._next[idx_all] = torch.tensor(tokens, dtype=torch.long)
+        idx_all = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._next[idx_all] = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return slots
 
     def _claim_slots(self, n: int, need_cols: int) -> list[int]:
@@ -174,16 +174,16 @@ class KVCacheSlots:
         for layer in range(self.num_layers):
             # zeros, not empty: uninitialised memory can hold NaN/inf bit patterns, and a masked
             # column is still part of the attention arithmetic (see _place_rows)
-            k = torch.zeros(shape, dtype=self.dtype)
-            v = torch.zeros(shape, dtype=self.dtype)
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if self._K and B and Lc:
                 k[:B, :, :Lc] = self._K[layer][:B, :, :Lc]
                 v[:B, :, :Lc] = self._V[layer][:B, :, :Lc]
             newK.append(k)
             newV.append(v)
-        mask = torch.zeros(new_slots, new_cols, dtype=torch.bool)
-        pos = torch.zeros(new_slots, dtype=torch.long)
-        nxt = torch.zeros(new_slots, dtype=torch.long)
+        mask = torch.zeros(new_slots, new_cols, dtype=torch.bool, device=self.device)
+        pos = torch.zeros(new_slots, dtype=torch.long, device=self.device)
+        nxt = torch.zeros(new_slots, dtype=torch.long, device=self.device)
         if self._mask is not None and B:
             mask[:B, :Lc] = self._mask[:B, :Lc]
             pos[:B] = self._pos[:B]
@@ -214,7 +214,7 @@ class KVCacheSlots:
         do_trim = trim >= 32 and trim * 4 >= self._length
         if not (do_compact or do_trim):
             return
-        idx = torch.tensor(live, dtype=torch.long)
+        idx = torch.tensor(live, dtype=torch.long, device=self.device)
         t0 = trim if do_trim else 0
         n = len(live)
         for layer in range(self.num_layers):

@@ -63,6 +63,8 @@ def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
         cmd += ["--engine-threads", str(r.engine_threads)]
     if cfg.model.max_context_len is not None:
         cmd += ["--context-length", str(cfg.model.max_context_len)]
+    if cfg.resources.rollout_gpus:  # the embedded engine on the (first visible) GPU
+        cmd += ["--device", "cuda"]
     # the API key is never on the command line (visible in `ps`): launch_servers passes it in the
     # environment (ENGINE_API_KEY_ENV), which rollout_server.server reads
     return cmd

@@ -136,6 +136,8 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
             incremental_streaming_output=r.incremental_streaming, weight_version="0",
             max_running_requests=r.engine_max_batch_size, context_length=context,
             engine_threads=r.engine_threads, random_seed=cfg.run.seed + index,
+            # resources.rollout_gpus: the controller exports them as CUDA_VISIBLE_DEVICES
+            device="cuda" if cfg.resources.rollout_gpus else "cpu",
         )
         server = RolloutHTTPServer(opts)
         await loop.run_in_executor(None, server.load)

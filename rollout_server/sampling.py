@@ -113,13 +113,13 @@ def _adjust_logits(logits_row, p: SamplingParams, output_ids: Sequence[int], pro
 
     if p.logit_bias:
         ids, values = p.bias_tensors()
-        logits_row.index_add_(0, ids, values.to(logits_row.dtype))
+        logits_row.index_add_(0, ids.to(logits_row.device), values.to(logits_row.device, logits_row.dtype))
     if output_ids and (p.frequency_penalty or p.presence_penalty):
-        ids = torch.tensor(output_ids, dtype=torch.long)
+        ids = torch.tensor(output_ids, dtype=torch.long, device=logits_row.device)
         counts = torch.bincount(ids, minlength=logits_row.shape[0]).to(logits_row.dtype)
         logits_row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits_row.dtype)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits_row.device)
         vals = logits_row[seen]
         logits_row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
 
@@ -133,7 +133,7 @@ def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
             ``.generator`` for seeded rows, ``.top_logprobs_num``).
         stop_ids_for: ``sample -> set[int]`` of token ids that end the sample (masked while
             ``min_new_tokens`` is not reached).
-        generator: ``torch.Generator`` for unseeded rows.
+        generator: ``torch.Generator`` for unseeded rows (on ``logits``' device, as seeded rows' are).
 
     Returns:
         ``(tokens, logprobs, tops)``: python lists of R ints, R floats, and R entries that are
@@ -147,6 +147,7 @@ def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
     import torch
 
     R = logits.shape[0]
+    dev = logits.device  # the engine's device: every tensor made here lives there too
     params = [s.params for s in samples]
     if any(p.needs_adjust or p.min_new_tokens for p in params):
         logits = logits.clone()  # adjustments stay local: a retry without bad rows starts clean
@@ -156,9 +157,9 @@ def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
         if p.min_new_tokens and len(s.output_ids) < p.min_new_tokens:
             ids = list(stop_ids_for(s))
             if ids:
-                logits[i, ids] = float("-inf")
+                logits[i, torch.tensor(ids, dtype=torch.long, device=dev)] = float("-inf")
     greedy = [p.greedy for p in params]
-    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=logits.dtype)
+    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=logits.dtype, device=dev)
     scaled = logits if all(greedy) else logits / temps[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)  # (R, V) behaviour distribution
     bad = torch.isnan(logprobs).any(dim=-1)  # +inf or NaN logits, or every token masked to -inf
@@ -171,16 +172,16 @@ def sample_tokens(logits, samples: Sequence[Any], stop_ids_for, generator=None):
         for i, p in enumerate(params):
             if p.needs_filter:
                 probs[i] = _filtered(probs[i], p)
-        tokens = torch.empty(R, dtype=torch.long)
+        tokens = torch.empty(R, dtype=torch.long, device=dev)
         seeded = [i for i, s in enumerate(samples) if getattr(s, "generator", None) is not None and not greedy[i]]
         plain = [i for i in range(R) if not greedy[i] and i not in set(seeded)]
         if plain:
-            idx = torch.tensor(plain)
+            idx = torch.tensor(plain, device=dev)
             tokens[idx] = torch.multinomial(probs[idx], 1, generator=generator).squeeze(1)
         for i in seeded:
             tokens[i] = torch.multinomial(probs[i], 1, generator=samples[i].generator)[0]
         if any(greedy):
-            g_idx = torch.tensor([i for i in range(R) if greedy[i]])
+            g_idx = torch.tensor([i for i in range(R) if greedy[i]], device=dev)
             tokens[g_idx] = torch.argmax(logits[g_idx], dim=-1)
     token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1)
     tops: list[Any] = [None] * R

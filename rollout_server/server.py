@@ -121,7 +121,7 @@ class RolloutHTTPServer(WeightEndpoints):
         if self._model is None:
             from asyncrl.models import load_causal_lm, load_tokenizer
 
-            self._model = load_causal_lm(self.opts.model_path)
+            self._model = load_causal_lm(self.opts.model_path, self.opts.dtype).to(self.opts.device)
             self._tokenizer = None if self.opts.skip_tokenizer_init else load_tokenizer(self.opts.model_path)
         ctx = self.opts.context_length or getattr(self._model.config, "max_position_embeddings", None) or 2048
         self.engine = Engine(
@@ -438,7 +438,7 @@ class RolloutHTTPServer(WeightEndpoints):
         return web.json_response({
             "model_path": o.model_path, "tokenizer_path": o.model_path, "served_model_name": o.served_model_name,
             "host": o.host, "port": o.port, "tp_size": 1, "dp_size": 1, "dtype": str(e.dtype).replace("torch.", ""),
-            "context_length": e.context_len, "max_running_requests": e.max_batch_size,
+            "device": str(e.device), "context_length": e.context_len, "max_running_requests": e.max_batch_size,
             "max_total_num_tokens": e.max_total_num_tokens, "max_req_input_len": e.context_len - 1,
             "weight_version": e.weight_version, "incremental_streaming_output": o.incremental_streaming_output,
             "stream_output": o.incremental_streaming_output, "stream_interval": o.stream_interval,

@@ -38,6 +38,8 @@ class ServerOptions:
         stream_interval: int = 1,
         skip_tokenizer_init: bool = False,
         limits: ServerLimits | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
     ):
         self.model_path = str(model_path)
         self.host, self.port = host, int(port)
@@ -52,6 +54,10 @@ class ServerOptions:
         self.stream_interval = int(stream_interval)
         self.skip_tokenizer_init = bool(skip_tokenizer_init)
         self.limits = limits or ServerLimits()
+        #: where the engine runs (SGLang's ``--device``): ``cpu``, or ``cuda`` / ``cuda:N`` on a GPU machine
+        self.device = str(device)
+        #: the engine's weights (SGLang's ``--dtype``): float32 by default (exact behaviour logprobs)
+        self.dtype = str(dtype)
 
 
 
@@ -75,6 +81,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOp
     add("served-model-name", default=None)
     add("stream-interval", type=int, default=1)
     add("skip-tokenizer-init", action="store_true", help="input_ids only; responses carry no text (SGLang's flag)")
+    add("device", default="cpu", help="where the engine runs: cpu (default), cuda or cuda:N (SGLang's flag)")
+    add("dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="the engine's weight dtype (default float32: exact behaviour logprobs)")
     add("log-level", default="info")
     add_limit_arguments(add)
     a = ap.parse_args(argv)
@@ -89,4 +98,5 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOp
         max_running_requests=a.max_running_requests, context_length=a.context_length,
         engine_threads=a.engine_threads, random_seed=a.random_seed, served_model_name=a.served_model_name,
         stream_interval=a.stream_interval, skip_tokenizer_init=a.skip_tokenizer_init, limits=limits_from_args(a),
+        device=a.device, dtype=a.dtype,
     )

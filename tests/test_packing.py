@@ -73,3 +73,32 @@ def test_packed_logprobs_equal_unpacked(tiny_model_dir):
         out2 = model(input_ids=mb2.input_ids, position_ids=mb2.position_ids, use_cache=False, logits_to_keep=mb2.logits_mask)
         lp2, _ = token_logprobs_and_entropy(out2.logits.reshape(-1, vocab), mb2.targets, temperature=0.7)
     assert torch.allclose(lp2[:4], packed[:4], atol=1e-6)
+
+
+def test_packed_logits_keeps_positions_as_a_1d_index(tiny_model_dir):
+    """packed_logits asks the model for the kept positions as a 1-D index tensor (what every
+    transformers release slices alike; transformers 5.17 refused the (1, L) boolean mask), and gets
+    the same logits as the full forward pass at those positions, in order."""
+    from asyncrl.models import load_causal_lm
+    from trainer.packing import packed_logits
+
+    model = load_causal_lm(tiny_model_dir, "float32")
+    mb = build_micro_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], [0, 1])
+    seen = {}
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = model
+
+        def forward(self, **kw):
+            seen["keep"] = kw["logits_to_keep"]
+            return model(**kw)
+
+    with torch.no_grad():
+        got = packed_logits(Spy(), mb)
+        full = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits[0]
+    keep = seen["keep"]
+    assert keep.dtype == torch.long and keep.ndim == 1
+    assert keep.tolist() == mb.logits_mask[0].nonzero().flatten().tolist()
+    assert torch.allclose(got, full[mb.logits_mask[0]], atol=1e-5)

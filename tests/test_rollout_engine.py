@@ -125,6 +125,14 @@ async def test_token_identity_segmented_across_servers(srv_a, srv_b):
     assert set(versions) == {"0"}
 
 
+async def test_server_info_says_where_the_engine_runs(srv_a):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(srv_a.url + "/server_info") as r:
+        info = await r.json()
+    assert (info["device"], info["dtype"]) == ("cpu", "float32")
+
+
 async def test_greedy_matches_full_recomputation(srv_a, models):
     prompt = [1, 3, 4, 5]
     async with srv_a.client() as a:

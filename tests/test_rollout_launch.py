@@ -67,6 +67,16 @@ def test_embedded_command_mirrors_sglang_flags(monkeypatch):
     opts = parse_args(cmd[3:])
     assert (opts.model_path, opts.port, opts.weight_version, opts.api_key, opts.engine_threads) == ("/m", 31000, "3", "k", 2)
     assert opts.incremental_streaming_output is True
+    assert (opts.device, opts.dtype) == ("cpu", "float32")  # no rollout GPUs: the engine runs on the CPU
+
+
+def test_embedded_engine_runs_on_cuda_when_given_rollout_gpus():
+    from rollout_server.server import parse_args
+
+    cfg = load_config(overrides={"resources": {"rollout_gpus": [0]}})
+    opts = parse_args(engine_command(cfg, "/m", 31000)[3:])
+    assert opts.device == "cuda" and opts.dtype == "float32"
+    assert parse_args(["--model-path", "/m", "--device", "cuda:1", "--dtype", "bfloat16"]).device == "cuda:1"
 
 
 async def test_launch_sglang_without_sglang_fails_clearly():

@@ -26,7 +26,7 @@ Efficient GRPO Training through Shared-Prefix Forward* (arXiv 2506.05433); the s
 the shared-prefix KV cache of inference engines (SGLang's RadixAttention).
 
 Logits are computed only at the positions that predict response tokens (``logits_to_keep`` as
-a boolean row mask; a shared position once), and logprobs are taken in fp32.
+a 1-D tensor of positions; a shared position once), and logprobs are taken in fp32.
 
 Packing is order-preserving greedy (next-fit): samples are taken in batch order and a new
 micro-batch starts when the next sample would exceed ``micro_batch_tokens``; with sharing, a
@@ -339,7 +339,11 @@ def packed_logits(module: Any, packed: PackedMicroBatch) -> torch.Tensor:
     Raises:
         ValueError: a shared block with an attention implementation that takes no 4-D mask.
     """
-    out = module(**_model_inputs(module, packed), logits_to_keep=packed.logits_mask)
+    # the kept positions as a 1-D index tensor, which every transformers release with tensor
+    # logits_to_keep slices alike: the (1, L) boolean mask is only understood by recent ones
+    # (transformers 5.17 on the H100 of docs/bench/gpu raised "too many indices" on it)
+    keep = packed.logits_mask.reshape(-1).nonzero().squeeze(1)
+    out = module(**_model_inputs(module, packed), logits_to_keep=keep)
     logits = out.logits.reshape(-1, out.logits.shape[-1])
     if packed.logits_index is not None:
         logits = logits.index_select(0, packed.logits_index)

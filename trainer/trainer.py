@@ -150,11 +150,15 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         self.model_source = self._model_source(cfg.model.path, model)
         self._extra_files = self._tokenizer_files() if self.rank == 0 else {}
         self.engine = build_engine(model, cfg)
+        #: where DeepSpeed put the model (the accelerator's device: cuda:<local rank> on a GPU, else
+        #: cpu); packed micro-batches and the loss's tensors are made there (see :meth:`_forward`)
+        self.device = next(self.engine.module.parameters()).device
         self.ref_model = None
         if cfg.trainer.loss.kl_coef > 0 or cfg.trainer.kl_ctl.coef > 0:
             from asyncrl.models import load_causal_lm
 
-            self.ref_model = load_causal_lm(cfg.trainer.reference.model_path or cfg.model.path, "float32")
+            ref_path = cfg.trainer.reference.model_path or cfg.model.path
+            self.ref_model = load_causal_lm(ref_path, "float32").to(self.device)
             self.ref_model.requires_grad_(False)
         self.loss_settings = LossSettings.from_config(cfg.trainer.loss)
         self.temperature = float(cfg.rollout.temperature)
@@ -295,10 +299,13 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         prompts = [s.prompt_ids for s in mb_samples]
         responses = [s.response_ids for s in mb_samples]
         local = None if indices is None else list(range(len(indices)))
-        packed = build_micro_batch(prompts, responses, local, share_prompts=self.share_prompts)
-        with torch.set_grad_enabled(grad):
-            logits = packed_logits(module, packed)
-            logprobs, entropy = token_logprobs_and_entropy(logits, packed.targets, self.temperature, with_entropy)
+        # on the model's device: the packed row, its masks (built lazily) and everything the
+        # forward pass makes with a factory function (torch.zeros, torch.tensor, ...)
+        with torch.device(self.device):
+            packed = build_micro_batch(prompts, responses, local, share_prompts=self.share_prompts)
+            with torch.set_grad_enabled(grad):
+                logits = packed_logits(module, packed)
+                logprobs, entropy = token_logprobs_and_entropy(logits, packed.targets, self.temperature, with_entropy)
         return packed, logits, logprobs, entropy
 
     @torch.no_grad()
@@ -391,53 +398,56 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         imp_max = 0.0
         self.module.train()
         check_early = self.cfg.trainer.early_stop_imp_ratio is not None and mb.index > 0
+        dev = self.device
         for j, indices in enumerate(mb.micro_batches):
-            mb_samples = [samples[i] for i in indices] if indices is not None else []
-            packed, logits, logprobs, entropy = self._forward(self.engine, mb_samples, indices, grad=True,
-                                                              with_entropy=s.entropy_coef > 0)
-            if entropy is None:
-                with torch.no_grad():
-                    _, entropy = token_logprobs_and_entropy(logits.detach(), packed.targets, self.temperature, True)
-            behav, adv, mask, prox, ref, owner = [], [], [], [], [], []
-            for local, start, end in packed.token_offsets:
-                i = indices[local]
-                smp = samples[i]
-                behav.append(smp.behaviour_logprobs)
-                adv.append(smp.advantages)
-                mask.append(smp.loss_mask)
-                owner.append(torch.full((end - start,), i, dtype=torch.long))
-                if s.correction in ("decoupled", "gspo") and not single_step:
-                    prox.append(plan.prox_logprobs[i])
-                if self.ref_model is not None:
-                    ref.append(plan.ref_logprobs[i])
-            cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0))
-            sample_index = torch.cat(owner) if owner else torch.zeros(0, dtype=torch.long)
-            weight = aggregation_weights(cat(mask), sample_index, self.cfg.trainer.loss.aggregation,
-                                         mb.total_loss_tokens, mb.total_loss_samples)
-            prox_t = None
-            if s.correction in ("decoupled", "gspo"):
-                prox_t = logprobs.detach() if single_step else cat(prox)
-            inputs = LossInputs(logprobs, cat(behav), cat(adv), weight, prox_t,
-                                cat(ref) if self.ref_model is not None else None, entropy, sample_index)
-            loss, part = policy_loss(inputs, s)
-            if j == 0 and check_early:
-                ratio_sum, tokens = self._all_reduce([part["ratio_sum"], part["tokens"]])
-                if tokens > 0 and ratio_sum / tokens > self.cfg.trainer.early_stop_imp_ratio:
-                    del loss, logits, logprobs
-                    self.step += 1
-                    plan.done = True
-                    plan.metrics["early_stopped_at_minibatch"] = float(mb.index)
-                    return {"early_stopped": 1.0, "ratio_mean": ratio_sum / tokens}
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            if self.critic is not None:
-                for k, v in self.critic.forward_backward(packed, indices, plan.critic, weight, self.world_size).items():
-                    critic_sums[k] += v
-            for k in _SUM_KEYS:
-                if k in part:
-                    sums[k] += part[k]
-            sums["loss"] += float(loss.detach())
-            sums["processed_tokens"] += packed.num_tokens if indices is not None else 0
-            imp_max = max(imp_max, part["imp_weight_max"])
+            with torch.device(dev):  # the loss's own tensors (weights, masks, sums) where the logprobs are
+                mb_samples = [samples[i] for i in indices] if indices is not None else []
+                packed, logits, logprobs, entropy = self._forward(self.engine, mb_samples, indices, grad=True,
+                                                                  with_entropy=s.entropy_coef > 0)
+                if entropy is None:
+                    with torch.no_grad():
+                        _, entropy = token_logprobs_and_entropy(logits.detach(), packed.targets, self.temperature, True)
+                behav, adv, mask, prox, ref, owner = [], [], [], [], [], []
+                for local, start, end in packed.token_offsets:
+                    i = indices[local]
+                    smp = samples[i]
+                    behav.append(smp.behaviour_logprobs)
+                    adv.append(smp.advantages)
+                    mask.append(smp.loss_mask)
+                    owner.append(torch.full((end - start,), i, dtype=torch.long))
+                    if s.correction in ("decoupled", "gspo") and not single_step:
+                        prox.append(plan.prox_logprobs[i])
+                    if self.ref_model is not None:
+                        ref.append(plan.ref_logprobs[i])
+                cat = (lambda xs: torch.cat([x.to(dev) for x in xs]) if xs else torch.zeros(0))
+                sample_index = torch.cat(owner) if owner else torch.zeros(0, dtype=torch.long)
+                weight = aggregation_weights(cat(mask), sample_index, self.cfg.trainer.loss.aggregation,
+                                             mb.total_loss_tokens, mb.total_loss_samples)
+                prox_t = None
+                if s.correction in ("decoupled", "gspo"):
+                    prox_t = logprobs.detach() if single_step else cat(prox)
+                inputs = LossInputs(logprobs, cat(behav), cat(adv), weight, prox_t,
+                                    cat(ref) if self.ref_model is not None else None, entropy, sample_index)
+                loss, part = policy_loss(inputs, s)
+                if j == 0 and check_early:
+                    ratio_sum, tokens = self._all_reduce([part["ratio_sum"], part["tokens"]])
+                    if tokens > 0 and ratio_sum / tokens > self.cfg.trainer.early_stop_imp_ratio:
+                        del loss, logits, logprobs
+                        self.step += 1
+                        plan.done = True
+                        plan.metrics["early_stopped_at_minibatch"] = float(mb.index)
+                        return {"early_stopped": 1.0, "ratio_mean": ratio_sum / tokens}
+                self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                if self.critic is not None:
+                    critic = self.critic.forward_backward(packed, indices, plan.critic, weight, self.world_size)
+                    for k, v in critic.items():
+                        critic_sums[k] += v
+                for k in _SUM_KEYS:
+                    if k in part:
+                        sums[k] += part[k]
+                sums["loss"] += float(loss.detach())
+                sums["processed_tokens"] += packed.num_tokens if indices is not None else 0
+                imp_max = max(imp_max, part["imp_weight_max"])
         total = dict(zip(_SUM_KEYS, self._all_reduce([sums[k] for k in _SUM_KEYS])))
         imp_max = self._all_reduce([imp_max], op="max")[0]
         tok = max(total["tokens"], 1.0)

@@ -588,7 +588,7 @@ class ResourcesConfig(_Section):
     trainer_cores: list[int] | None = None
     """CPU cores for the trainer."""
     rollout_gpus: list[int] | None = None
-    """GPU ids for rollout servers (SGLang)."""
+    """GPU ids for rollout servers (SGLang; the embedded torch engine runs on ``cuda`` when this is set, else on CPU)."""
     trainer_gpus: list[int] | None = None
     """GPU ids for trainer ranks."""
     core_sharing: Literal["split", "follow", "shared", "trainer_first", "rollout_first"] = "split"
