@@ -347,7 +347,31 @@ def run_asyncrl(out_dir: Path, arm: str, seed: int, flags: list[str], settings: 
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT).returncode
     if rc != 0:
         raise SystemExit(f"asyncrl train exited {rc}; see {log}")
-    return read_run(out_dir / name)
+    record = read_run(out_dir / name)
+    if not settings.get("keep_run_files"):
+        prune_run_dir(out_dir / name)
+    return record
+
+
+def prune_run_dir(run_dir: Path) -> int:
+    """Delete a finished run's checkpoints and every weight version but the newest; bytes freed.
+
+    A 10-minute main-job run leaves ~4.6 GB (two DeepSpeed checkpoints of 1.6 GB with the
+    optimizer state, three published versions of 517 MB); a 5-seed sweep of two arms filled
+    this machine's disk on 2026-11-26. The records the harness reads (metrics, evaluations,
+    logs) and the final weights (for ``bench/answer_probe.py``) stay.
+    """
+    import shutil
+
+    freed = 0
+    doomed = [run_dir / "checkpoints"]
+    versions = sorted(p for p in (run_dir / "weights").glob("v*") if p.is_dir())
+    doomed += versions[:-1]
+    for d in doomed:
+        if d.exists():
+            freed += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            shutil.rmtree(d)
+    return freed
 
 
 def run_trl_seed(out_dir: Path, seed: int, settings: dict) -> dict:
@@ -543,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--replot", action="store_true", help="only recompute statistics and the figure from --json")
     ap.add_argument("--dry_run", action="store_true", help="print the runs still to do and exit")
+    ap.add_argument("--keep_run_files", action="store_true",
+                    help="keep each run's checkpoints and every weight version (default: keep the newest weights only)")
     ap.add_argument("--markdown", action="store_true", help="with --replot: print the tables for docs/results.md")
     args = ap.parse_args(argv)
     report = json.loads(args.json.read_text()) if args.json.exists() else None
@@ -589,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"todo": todo, "recorded": sorted(done)}))
         return 0
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="multiseed_"))
+    run_settings = {**settings, "keep_run_files": args.keep_run_files}
     out_dir.mkdir(parents=True, exist_ok=True)
     for arm, seed in todo:
         t0 = time.perf_counter()
@@ -596,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         if arms[arm] is None:
             rec = run_trl_seed(out_dir, seed, settings)
         else:
-            rec = run_asyncrl(out_dir, arm, seed, arms[arm], settings)
+            rec = run_asyncrl(out_dir, arm, seed, arms[arm], run_settings)
         rec.update({"arm": arm, "seed": seed, "real_seconds": time.perf_counter() - t0,
                     "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_environment()})
         report["runs"].append(rec)

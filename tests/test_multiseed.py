@@ -260,3 +260,17 @@ def test_timed_runs_line_up_by_step_and_report_the_recipe(ms):
     md = ms.markdown(report)
     assert "| step 0 | step 25 | step 50 | end of 10 min" in md
     assert "| a | 2 of 2 | 1 of 2 | 83.0 (50), 34.0 (50) |" in md
+
+
+def test_prune_run_dir_keeps_records_and_the_newest_weights(ms, tmp_path):
+    run = tmp_path / "a-s1"
+    for rel, size in (("checkpoints/step00000060/mp_rank_00_model_states.pt", 300), ("checkpoints/latest", 4),
+                      ("weights/v000065/model.safetensors", 100), ("weights/v000066/model.safetensors", 100),
+                      ("weights/v000067/model.safetensors", 100), ("metrics-trainer.jsonl", 7), ("eval/step-50.json", 5)):
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(b"x" * size)
+    assert ms.prune_run_dir(run) == 300 + 4 + 100 + 100
+    assert not (run / "checkpoints").exists()
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["v000067"]
+    assert (run / "metrics-trainer.jsonl").exists() and (run / "eval/step-50.json").exists()
+    assert ms.prune_run_dir(run) == 0  # idempotent
