@@ -248,7 +248,7 @@ def test_recipe_check_reach_within_the_time_and_hold_after_70(ms):
                                                     "lowest_after_step": None, "holds": True, "passes": False}
 
 
-def test_timed_runs_line_up_by_step_and_report_the_recipe(ms):
+def test_timed_runs_line_up_by_step_and_report_the_recipe(ms, tmp_path):
     runs = [{"arm": "a", "seed": s, "train_minutes": 10.0, "steps": [], "curve": c} for s, c in (
         (1, _curve([(0, 0.0, 0.15), (25, 4.0, 0.76), (50, 8.0, 0.83), (67, 10.0, 0.88)])),
         (2, _curve([(0, 0.0, 0.16), (25, 5.0, 0.85), (50, 10.0, 0.34)])))]
@@ -259,6 +259,8 @@ def test_timed_runs_line_up_by_step_and_report_the_recipe(ms):
     assert [r["passes"] for r in a["recipe"]] == [True, False]
     md = ms.markdown(report)
     assert "| step 0 | step 25 | step 50 | end of 10 min" in md
+    ms.plot(report, tmp_path / "timed.png")  # timed runs are drawn by minutes (this raised KeyError)
+    assert (tmp_path / "timed.png").stat().st_size > 0
     assert "| a | 2 of 2 | 1 of 2 | 83.0 (50), 34.0 (50) |" in md
 
 
