@@ -474,7 +474,7 @@ async def run_until_ready(worker, buf, groups: int, timeout_seconds: float = 180
 def buffer_settings(**kw):
     from buffers import BufferSettings
 
-    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget_tokens=200,
+    base = dict(rollout_batch_size=4, train_batch_groups=2, n_samples_per_prompt=2, max_budget=200,
                 max_response_len=400, max_staleness=1, lease_seconds=3.0, flush_tokens=2)
     base.update(kw)
     return BufferSettings(**base)

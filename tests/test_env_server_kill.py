@@ -117,7 +117,7 @@ async def test_kill9_of_the_env_server_mid_call_loses_no_episode(redis_url, engi
             state["killed"] += 1
             state["next_kill"] = time.monotonic() + 3.0
 
-        async with await ReplayBuffer.open(redis_url, "envkill", buffer_settings(max_budget_tokens=6)) as buf:
+        async with await ReplayBuffer.open(redis_url, "envkill", buffer_settings(max_budget=6)) as buf:
             await buf.feed([PromptGroup(f"g{i}", chat_prompt(tokenizer, f"kill test {i}"), {}, 2) for i in range(3)], 0)
             w = calculator_worker(buf, engine.url, tokenizer, cfg.agent, workflow)
             await run_until_ready(w, buf, 3, timeout_seconds=420.0, on_tick=tick)
