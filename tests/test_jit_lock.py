@@ -98,3 +98,26 @@ def test_trainer_process_group_starts_despite_a_stale_lock(tmp_path):
     assert "ranks (0, 1)" in out
     assert "removed a stale JIT-build lock" in err
     assert not lock.exists()
+
+
+def test_a_port_taken_before_the_store_binds_it_is_picked_again():
+    """The race of free_port() and the gloo store's bind (seen in CI as EADDRINUSE): retried."""
+    code = textwrap.dedent("""
+        import socket
+        import asyncrl.core.net as net
+        taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen(1)
+        port = taken.getsockname()[1]
+        real, calls = net.free_port, []
+        def first_taken(host="127.0.0.1"):
+            calls.append(1)
+            return port if len(calls) == 1 else real(host)
+        net.free_port = first_taken
+        from trainer.engine import init_distributed
+        import os
+        print("ranks", init_distributed(), len(calls), os.environ["MASTER_PORT"] != str(port), flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ranks (0, 1) 2 True" in proc.stdout

@@ -86,7 +86,8 @@ def lr_at(optimizer_step: int, opt_cfg: Any, total_optimizer_steps: int) -> floa
 def init_distributed() -> tuple[int, int]:
     """Initialise torch.distributed from the launcher's environment (torchrun / deepspeed).
 
-    A single process without ``RANK``/``WORLD_SIZE`` gets a one-rank gloo group on a free port.
+    A single process without ``RANK``/``WORLD_SIZE`` gets a one-rank gloo group on a free port
+    (picked again, up to 3 times, when another process takes it before the store binds it).
     On CPU, a stale JIT-build lock of DeepSpeed's shm op is removed first
     (:func:`trainer.jit_lock.clear_stale_jit_lock`).
 
@@ -97,7 +98,8 @@ def init_distributed() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:
+        own_port = "WORLD_SIZE" not in os.environ
+        if own_port:
             from asyncrl.core.net import free_port
 
             port = free_port("127.0.0.1")
@@ -112,7 +114,17 @@ def init_distributed() -> tuple[int, int]:
             from trainer.jit_lock import clear_stale_jit_lock
 
             clear_stale_jit_lock("deepspeed_shm_comm")
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        for attempt in range(3):
+            try:
+                deepspeed.init_distributed(dist_backend=backend, verbose=False)
+                break
+            except RuntimeError as exc:
+                # The free port we picked can be taken before the store binds it (another
+                # process on the machine): pick another one. A launcher's port is not ours to move.
+                taken = "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
+                if not (own_port and taken) or attempt == 2:
+                    raise
+                os.environ["MASTER_PORT"] = str(free_port("127.0.0.1"))
     return dist.get_rank(), dist.get_world_size()
 
 
