@@ -220,7 +220,7 @@ def probe_environment(python: str = sys.executable) -> dict[str, Any]:
     except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as exc:
         env.update(torch=None, cuda_available=False, torch_error=f"{type(exc).__name__}: {exc}")
     env["modules"] = {m: importlib.util.find_spec(m) is not None for m in MODULES}
-    env["executables"] = {e: shutil.which(e) for e in EXECUTABLES}
+    env["executables"] = {e: shutil.which(e) is not None for e in EXECUTABLES}  # found on PATH (where: the machine's)
     path, version = redis_binary()
     env["redis_server"] = {"path": path, "version": version} if path else {"path": None, "why": version}
     if env["executables"]["nvidia-smi"]:
@@ -835,7 +835,9 @@ def write_report(path: Path, ctx: Ctx, args: argparse.Namespace, argv: list[str]
         "units": {"*_tokens_per_second": "tokens/s", "*_seconds": "s", "*_bytes": "bytes", "peak_tflops": "TFLOPS (dense)",
                   "mfu": "fraction of peak_tflops"},
     }
-    places = {str(ctx.work_dir): "<work>", str(path.parent): "<out>", str(REPO): "<repo>"}
+    places = {str(ctx.work_dir): "<work>", str(path.parent): "<out>", str(REPO): "<repo>",
+              # the interpreters' installations (tracebacks name their site-packages)
+              str(Path(sys.prefix)): "<python>", str(Path(ctx.python).resolve().parent.parent): "<python>"}
     if args.wheels is not None:
         places[str(args.wheels.resolve())] = "<wheels>"
         places[str(args.wheels)] = "<wheels>"
