@@ -68,6 +68,13 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = "asyncrl.gpu_check/1"
+
+#: torch.distributed variables a stage never inherits (the same set as
+#: ``asyncrl.controller.supervisor.DIST_ENV_VARS``; kept here so the check runs before asyncrl imports)
+DIST_ENV_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+})
 DEFAULT_BUDGET_SECONDS = 690.0  # 11.5 minutes: the check must end within 12 on one H100
 MIN_STAGE_SECONDS = 10.0  # a stage with less budget left than this is not started
 
@@ -547,7 +554,9 @@ def run_stage(stage: Stage, ctx: Ctx, budget_left: float) -> dict[str, Any]:
             return rec
         argv = stage.command(ctx)
         rec["command"] = argv if stage.name != "model" else [*argv[:2], "<model script>", *argv[3:]]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        # a rendezvous left in this process's environment (a caller that ran a one-rank trainer,
+        # e.g. pytest) would make a stage's trainer bind its parent's port: EADDRINUSE
+        env = {**{k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(stage.env(ctx) if stage.env else {})}
         ctx.log_dir.mkdir(parents=True, exist_ok=True)
         rec["log"] = str(log_path)

@@ -31,8 +31,8 @@ def _module():
 gc = _module()
 
 
-def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable}
+def run(*args: str, timeout: float = 60, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, **(extra_env or {})}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -175,6 +175,12 @@ def test_missing_requirements_and_spent_budget_are_said(tmp_path):
     assert rep["summary"]["decode_tokens_per_second_by_batch"] is None and rep["summary"]["mfu"] is None
 
 
+def test_stages_never_inherit_a_rendezvous_and_the_set_matches_the_supervisor():
+    from asyncrl.controller.supervisor import DIST_ENV_VARS
+
+    assert gc.DIST_ENV_VARS == DIST_ENV_VARS
+
+
 def test_gpu_tests_stage_collects_only_the_files_with_gpu_marks():
     files = [Path(f).name for f in gc.gpu_test_files()]
     assert "test_rollout_launch.py" in files and "test_gpu_check.py" not in files
@@ -275,11 +281,23 @@ def test_git_commit_of_a_copy_without_git_comes_from_the_environment(tmp_path, m
 def test_cpu_rehearsal_runs_every_stage_end_to_end(tmp_path):
     """``--device cpu --model tiny``: every stage that a GPU machine runs, on the CPU with the test
     model (decode with the embedded server, trainer, publish + load, the main job for 2 steps), so
-    the check's plumbing is known to work before a GPU is borrowed."""
+    the check's plumbing is known to work before a GPU is borrowed.
+
+    It is started with the rendezvous of a one-rank group that is still alive (what a pytest
+    process that ran a trainer in-process holds): no stage may inherit it (that made the trainer
+    stage bind a port already taken, EADDRINUSE)."""
+    import socket
+
     out = tmp_path / "out"
-    p = run("--device", "cpu", "--model", "tiny", "--only", "environment", "model", "decode", "trainer", "main_job",
-            "--batch-sizes", "1", "4", "--gen-tokens", "8", "--main-job-steps", "2", "--decode-dtype", "float32",
-            "--trainer-precision", "fp32", "--trainer-groups", "2", "--out-dir", str(out), timeout=900)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                      "MASTER_PORT": str(held.getsockname()[1])}
+        p = run("--device", "cpu", "--model", "tiny", "--only", "environment", "model", "decode", "trainer", "main_job",
+                "--batch-sizes", "1", "4", "--gen-tokens", "8", "--main-job-steps", "2", "--decode-dtype", "float32",
+                "--trainer-precision", "fp32", "--trainer-groups", "2", "--out-dir", str(out), timeout=900,
+                extra_env=rendezvous)
     assert p.returncode == 0, p.stderr
     rep = json.loads(reports(out)[0].read_text())
     assert gc.validate_report(rep) == [] and rep["rehearsal_on_cpu"] is True
