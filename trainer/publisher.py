@@ -157,6 +157,8 @@ class WeightPublishing:
         if version in self.published_versions:
             return {"version": float(version)}
         start = time.perf_counter()
+        if getattr(self, "lora", False):
+            return self._publish_adapter(version, start)
         sd = self.full_state_dict()
         out = {"version": float(version)}
         if self.rank == 0:
@@ -176,6 +178,35 @@ class WeightPublishing:
                 self.run_async(self.announce(version, uri, checksum))
             out.update({"publish_seconds": time.perf_counter() - start,
                         "publish_bytes": float((path / "model.safetensors").stat().st_size),
+                        "uri": uri, "checksum": checksum})
+        self._barrier()
+        self.published_version = version
+        self.published_versions.append(version)
+        return out
+
+    def _publish_adapter(self, version: int, start: float) -> dict[str, Any]:
+        """``trainer.lora``: publish only the adapter (``adapter_model.safetensors`` +
+        ``adapter_config.json``, PEFT's format; trainer/lora.py) as ``version``, then announce it.
+
+        The checksum announced is the sha256 of ``adapter_model.safetensors``; rollout servers
+        merge the adapter into their copy of the base weights (docs/trainer.md#lora). The ``nccl``
+        transport is refused with LoRA by the config. Collective: call on every rank.
+        """
+        from asyncrl.core.weights import ADAPTER_WEIGHTS_FILE, write_weights
+        from trainer.lora import adapter_config_json, adapter_state_dict
+
+        sd = adapter_state_dict(self.module, getattr(torch, self.cfg.model.dtype),
+                                self.engine.zero_optimization_stage() == 3, self.rank)
+        out: dict[str, Any] = {"version": float(version)}
+        if self.rank == 0:
+            config = adapter_config_json(self.module, str(self.model_source or self.cfg.model.path))
+            path, checksum = write_weights(self.weights_dir, version, sd, config, adapter=True,
+                                           keep_last=self.cfg.weight_sync.keep_last)
+            uri = self.http_server.uri_for(version) if self.http_server is not None else str(path.resolve())
+            if self.announce is not None:
+                self.run_async(self.announce(version, uri, checksum))
+            out.update({"publish_seconds": time.perf_counter() - start,
+                        "publish_bytes": float((path / ADAPTER_WEIGHTS_FILE).stat().st_size),
                         "uri": uri, "checksum": checksum})
         self._barrier()
         self.published_version = version

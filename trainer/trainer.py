@@ -149,9 +149,17 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         self.model_config = model.config
         self.model_source = self._model_source(cfg.model.path, model)
         self._extra_files = self._tokenizer_files() if self.rank == 0 else {}
+        self.lora = cfg.trainer.lora is not None
+        if self.lora:
+            from trainer.lora import apply_lora
+
+            model = apply_lora(model, cfg.trainer.lora)
         self.engine = build_engine(model, cfg)
         self.ref_model = None
-        if cfg.trainer.loss.kl_coef > 0 or cfg.trainer.kl_ctl.coef > 0:
+        needs_ref = cfg.trainer.loss.kl_coef > 0 or cfg.trainer.kl_ctl.coef > 0
+        if needs_ref and self.lora and not cfg.trainer.reference.model_path:
+            pass  # the base with the adapter disabled, set once the attention implementation is chosen
+        elif needs_ref:
             from asyncrl.models import load_causal_lm
 
             self.ref_model = load_causal_lm(cfg.trainer.reference.model_path or cfg.model.path, "float32")
@@ -175,6 +183,10 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
                             "attention runs over the packed row", " or ".join(BLOCK_ATTENTION_BASES[:2]),
                             ", ".join(map(str, impls)))
                 self.attention = "row"
+        if needs_ref and self.ref_model is None:  # LoRA: the reference is the base, the adapter switched off
+            from trainer.lora import AdapterDisabled
+
+            self.ref_model = AdapterDisabled(self.engine, self.engine.module)
         self.critic = None
         if cfg.trainer.advantage == "gae":
             from trainer.critic import Critic
