@@ -218,3 +218,81 @@ def test_checkpoint_restores_adapter_and_optimizer_state(tmp_path, tiny_model_di
         assert len(got) == len(opt_state) and all(torch.equal(a, b) for a, b in zip(got, opt_state))
     finally:
         resumed.close()
+
+
+def _publish_adapter(weights_dir, version, base_lm, seed, target_modules=("q_proj", "v_proj")):
+    """A random PEFT adapter on ``base_lm`` published as ``version`` exactly as the trainer does;
+    returns ``(path, checksum, the merged model)`` (PEFT's own ``merge_and_unload``)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from asyncrl.core.weights import write_weights
+    from trainer.lora import adapter_config_json
+
+    peft_model = get_peft_model(copy.deepcopy(base_lm), LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules)))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    path, checksum = write_weights(weights_dir, version, state, adapter_config_json(peft_model), adapter=True)
+    return path, checksum, peft_model.merge_and_unload()
+
+
+async def test_partial_rollout_resumes_under_the_adapter_and_a_bad_adapter_is_not_claimed(redis_url, models, tokenizer,
+                                                                                           tmp_path):
+    """A sample parked under v0 resumes under adapter v1 through the real worker: per-token
+    versions [0]*4 + [1]*8, each token's logprob equal to its version's recomputation (v1 = PEFT's
+    own merge). Then adapter v2 targets a module the model lacks: the engine refuses it (400), a
+    worker syncing to it counts an error and does not take version 2, and the engine keeps v1."""
+    from asyncrl.core.types import PromptGroup, SampleStatus
+    from buffers import ReplayBuffer
+    from rollout_server.testing import recompute_logprobs
+    from tests.test_rollout_worker import TEMPERATURE, _feed, _prompt, _ready, _run_until, _settings, _worker
+
+    server = start_embedded_server(models["dir0"], "--weight-version", "0")
+    settings = _settings(n_samples_per_prompt=2, max_budget_tokens=4, max_response_len=12, flush_tokens=2)
+    try:
+        async with await ReplayBuffer.open(redis_url, "lora", settings) as buf:
+            prompt = _prompt(tokenizer, "count to ten")
+            await _feed(buf, [PromptGroup("g0", prompt, {}, 2)])
+            w = _worker(buf, server.url, tokenizer, "w-lora", extra_sampling_params={"ignore_eos": True})
+            items = await buf.claim("w-lora", 2)
+            assert await asyncio.gather(*(w.process(it) for it in items)) == [SampleStatus.PARTIAL] * 2
+            path, sha, merged1 = _publish_adapter(tmp_path / "weights", 1, models["lm0"], seed=3)
+            await buf.clock.publish(1, str(path), sha)
+            stats = await _run_until(w, _ready(buf, 1))
+            assert stats.weight_updates == 1 and w.version == 1
+            _, samples = await buf.get_group("g0")
+            for s in samples:
+                assert s.status == SampleStatus.SCORED and s.versions == [0] * 4 + [1] * 8, s.versions
+                ref0 = recompute_logprobs(models["lm0"], prompt, s.response_ids, TEMPERATURE)
+                ref1 = recompute_logprobs(merged1, prompt, s.response_ids, TEMPERATURE)
+                got = s.behaviour_logprobs
+                assert max(abs(a - b) for a, b in zip(ref0[:4], got[:4])) < 1e-4
+                assert max(abs(a - b) for a, b in zip(ref1[4:], got[4:])) < 1e-4
+                assert max(abs(a - b) for a, b in zip(ref0[4:], got[4:])) > 1e-3  # really the adapter
+
+            bad, bad_sha, _ = _publish_adapter(tmp_path / "weights", 2, models["lm0"], seed=4)
+            cfg = json.loads((bad / "adapter_config.json").read_text())
+            from safetensors.torch import load_file
+
+            from asyncrl.core.weights import write_weights
+
+            tensors = {k.replace("q_proj", "no_such_proj"): v for k, v in load_file(str(bad / ADAPTER_WEIGHTS_FILE)).items()}
+            import shutil
+
+            shutil.rmtree(bad)
+            bad, bad_sha = write_weights(tmp_path / "weights", 2, tensors, cfg, adapter=True)
+            await buf.clock.publish(2, str(bad), bad_sha)
+            await _feed(buf, [PromptGroup("g1", prompt, {}, 2)])
+            w2 = _worker(buf, server.url, tokenizer, "w-lora2", extra_sampling_params={"ignore_eos": True})
+            try:
+                assert await w2.sync_weights(initial=True) is False
+                assert w2.stats.weight_update_errors >= 1 and w2.version != 2
+                assert await w2.client.weight_version() == "1"
+            finally:
+                await w2.client.close()
+            await w.client.close()
+    finally:
+        server.stop()
