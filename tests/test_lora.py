@@ -15,6 +15,7 @@ from asyncrl.core.config import ConfigError, load_config
 from asyncrl.core.weights import ADAPTER_WEIGHTS_FILE, download_weights, verify_weights_dir
 from rollout_server.client import EngineError
 from rollout_server.testing import start_embedded_server
+from tests.test_rollout_worker import models, server_a, tokenizer  # noqa: F401 (fixtures)
 from tests.test_trainer import make_cfg, make_groups, tiny_model  # noqa: F401 (fixture)
 from trainer.loop import ListBatchSource, train_loop
 
@@ -239,8 +240,8 @@ def _publish_adapter(weights_dir, version, base_lm, seed, target_modules=("q_pro
     return path, checksum, peft_model.merge_and_unload()
 
 
-async def test_partial_rollout_resumes_under_the_adapter_and_a_bad_adapter_is_not_claimed(redis_url, models, tokenizer,
-                                                                                           tmp_path):
+async def test_partial_rollout_resumes_under_the_adapter_and_a_bad_adapter_is_not_claimed(redis_url, server_a, models,
+                                                                                           tokenizer, tmp_path):
     """A sample parked under v0 resumes under adapter v1 through the real worker: per-token
     versions [0]*4 + [1]*8, each token's logprob equal to its version's recomputation (v1 = PEFT's
     own merge). Then adapter v2 targets a module the model lacks: the engine refuses it (400), a
@@ -250,7 +251,7 @@ async def test_partial_rollout_resumes_under_the_adapter_and_a_bad_adapter_is_no
     from rollout_server.testing import recompute_logprobs
     from tests.test_rollout_worker import TEMPERATURE, _feed, _prompt, _ready, _run_until, _settings, _worker
 
-    server = start_embedded_server(models["dir0"], "--weight-version", "0")
+    server = server_a  # the base model (models["dir0"]) at version 0
     settings = _settings(n_samples_per_prompt=2, max_budget_tokens=4, max_response_len=12, flush_tokens=2)
     try:
         async with await ReplayBuffer.open(redis_url, "lora", settings) as buf:
@@ -295,4 +296,5 @@ async def test_partial_rollout_resumes_under_the_adapter_and_a_bad_adapter_is_no
                 await w2.client.close()
             await w.client.close()
     finally:
-        server.stop()
+        async with server.client() as c:
+            await c.update_weights_from_disk(str(models["dir0"]), weight_version="0")
