@@ -63,8 +63,8 @@ class EngineWeights:
         """
         merged, base, info = self._merge_adapter(adapter, config)
         info.update({"checksum": str(checksum), "version": None if version is None else str(version)})
-        self._lora_base = base
         merged = {**{n: t for n, t in base.items() if n not in merged}, **merged}
+        info["_base"] = base  # becomes the engine's base copy when this update is applied
         merged = self._validate_state(merged)
         if abort_all:
             self._publish(self._abort("", True))
@@ -149,9 +149,12 @@ class EngineWeights:
                         params[name].copy_(tensor)
                 if version is not None:
                     self.weight_version = str(version)
-                self.lora_adapter = adapter
-                if adapter is None:
+                if adapter is not None:
+                    adapter = dict(adapter)
+                    self._lora_base = adapter.pop("_base")
+                else:
                     self._lora_base = None  # full weights: no adapter left merged
+                self.lora_adapter = adapter
                 paused = self.load()
                 fut.set_result({"num_paused_requests": paused["num_running_reqs"] + paused["num_waiting_reqs"],
                                 "lora_adapter": adapter})

@@ -255,6 +255,8 @@ class SamplingParamsBody(_Strict):
 
 
 #: fields of SGLang's ``GenerateReqInput`` that the embedded engine refuses (400) when they are set
+#: (``lora_path`` too: the embedded engine holds at most one LoRA adapter, merged into its weights by
+#: ``/update_weights_from_disk`` of an adapter-only version, not one per request; docs/trainer.md#lora)
 UNSUPPORTED_IF_SET = ("input_embeds", "lora_path", "custom_logit_processor", "image_data", "video_data",
                       "audio_data", "session_params", "token_ids_logprob")
 
