@@ -298,3 +298,27 @@ async def test_partial_rollout_resumes_under_the_adapter_and_a_bad_adapter_is_no
     finally:
         async with server.client() as c:
             await c.update_weights_from_disk(str(models["dir0"]), weight_version="0")
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_lora_under_zero_publishes_the_adapter_peft_loads(tmp_path, tiny_model_dir, tiny_model, zero_stage):
+    """Under ZeRO-2 and ZeRO-3 (parameters partitioned, gathered for the publish) the published
+    directory is a PEFT adapter: ``PeftModel.from_pretrained`` on the base gives the trainer's logprobs."""
+    from peft import PeftModel
+
+    from trainer.trainer import Trainer
+
+    announced = []
+    trainer = Trainer(_lora_cfg(tmp_path, tiny_model_dir, zero_stage=zero_stage, loss={"kl_coef": 0.1}),
+                      model=copy.deepcopy(tiny_model), announce=lambda v, u, c: announced.append((v, u, c)))
+    try:
+        _train_one_step(trainer, tiny_model.config.vocab_size)
+        trainer.module.eval()
+        want = _completion_logprobs(trainer.engine)
+    finally:
+        trainer.close()
+    (_, uri, _), = announced
+    loaded = PeftModel.from_pretrained(copy.deepcopy(tiny_model), uri).eval()
+    got = _completion_logprobs(loaded)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(got, _completion_logprobs(tiny_model))) > 1e-3

@@ -20,6 +20,10 @@ checksum (``Trainer.publish_weights``, :class:`WeightPublishing` below). Transpo
   The announced uri is the disk directory; engines already updated report the new
   ``weight_version`` and skip the reload.
 
+With ``trainer.lora`` a version is adapter-only (:meth:`WeightPublishing._publish_adapter`:
+``adapter_model.safetensors`` + ``adapter_config.json``, PEFT's format; trainer/lora.py), carried
+by ``disk`` and ``http``; the config refuses ``nccl`` with LoRA.
+
 The directory format and both ends of each transport are in :mod:`asyncrl.core.weights`, which the
 rollout servers import too; this module holds what only the trainer does:
 :class:`WeightPublishing` (``Trainer.full_state_dict``, ``Trainer.publish_weights``, the files

@@ -23,6 +23,9 @@ One train step (one train batch of prompt groups):
 4. :meth:`publish_weights` every ``weight_sync.interval`` steps (durable first, then announce;
    ``trainer/publisher.py``), and checkpoints (``trainer/checkpoint.py``).
 
+LoRA (``trainer.lora``, trainer/lora.py): the actor is a PEFT model whose adapter alone trains;
+the reference is the same module with the adapter disabled; publishing writes the adapter only.
+
 Policy versions: the weights after ``step`` train batches have version ``step`` (version 0 is
 the initial model); staleness of a token = ``step`` at the start of the batch minus its version.
 Rank 0 fetches batches; :meth:`broadcast_groups` shares them with other ranks as JSON bytes
