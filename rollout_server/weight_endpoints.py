@@ -121,10 +121,20 @@ class WeightEndpoints:
 
         try:
             tensors, config, checksum = await self.loop.run_in_executor(None, read)
-            version = None if body.weight_version is None else str(body.weight_version)
+        except (WeightLoadError, ChecksumError) as exc:
+            return web.json_response({"success": False, "message": f"Failed to load the LoRA adapter: {exc}"}, status=400)
+        return await self._merge_adapter_tensors(tensors, config, checksum, body)
+
+    async def _merge_adapter_tensors(self, tensors: dict, config: dict, checksum: str, body: Any) -> web.Response:
+        """Hand an adapter (tensors + ``adapter_config.json`` + its checksum) to the engine's merge;
+        400 with the reason when it does not fit, else ``lora_adapter`` names what is loaded."""
+        from asyncrl.core.weights import WeightLoadError
+
+        version = None if body.weight_version is None else str(body.weight_version)
+        try:
             res = await asyncio.wrap_future(self.engine.call("update_adapter", tensors, config, checksum, version,
                                                              bool(body.abort_all_requests)))
-        except (RequestError, WeightLoadError, ChecksumError) as exc:
+        except (RequestError, WeightLoadError) as exc:
             return web.json_response({"success": False, "message": f"Failed to load the LoRA adapter: {exc}"}, status=400)
         if self.rollout_metrics is not None:
             with contextlib.suppress(TypeError, ValueError):
@@ -209,6 +219,8 @@ class WeightEndpoints:
                 )
             except (WeightLoadError, RuntimeError) as exc:
                 return web.json_response({"success": False, "message": f"Failed to receive weights: {exc}"}, status=400)
+            if body.lora_config is not None:  # trainer.lora over nccl: the tensors are an adapter
+                return await self._merge_adapter_tensors(state, body.lora_config, body.lora_checksum, body)
             return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
 
     async def handle_destroy_group(self, request: web.Request) -> web.Response:

@@ -54,8 +54,6 @@ def _train_one_step(trainer, vocab):
 
 def test_lora_config_is_off_by_default_and_refuses_what_it_cannot_do(tmp_path, tiny_model_dir):
     assert make_cfg(tmp_path, tiny_model_dir).trainer.lora is None
-    with pytest.raises(ConfigError, match="nccl"):
-        load_config([], overrides={"trainer": {"lora": {}}, "weight_sync": {"transport": "nccl"}})
     with pytest.raises(ConfigError, match="ema_eta"):
         load_config([], overrides={"trainer": {"lora": {}, "reference": {"ema_eta": 0.5}}})
 
@@ -322,3 +320,36 @@ def test_lora_under_zero_publishes_the_adapter_peft_loads(tmp_path, tiny_model_d
     got = _completion_logprobs(loaded)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
     assert max(abs(a - b) for a, b in zip(got, _completion_logprobs(tiny_model))) > 1e-3
+
+
+def test_adapter_only_sync_over_nccl_on_gloo_matches_trainer_logprobs(tmp_path, tiny_model_dir, tiny_model):
+    """``nccl`` over gloo: the trainer broadcasts only the adapter into a running engine, which
+    merges it, reports its checksum and gives the trainer's logprobs to 1e-4."""
+    from trainer.trainer import Trainer
+
+    server = start_embedded_server(tiny_model_dir)
+    try:
+        cfg = _lora_cfg(tmp_path, tiny_model_dir, transport="nccl")
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"server_urls": [server.url]})})
+        announced = []
+        trainer = Trainer(cfg, model=copy.deepcopy(tiny_model), announce=lambda v, u, c: announced.append((v, u, c)))
+        try:
+            _train_one_step(trainer, tiny_model.config.vocab_size)
+            trainer.module.eval()
+            want = _completion_logprobs(trainer.engine)
+        finally:
+            trainer.close()
+        (version, uri, checksum), = announced
+        verify_weights_dir(uri, checksum)  # durable on disk as well
+
+        async def go():
+            async with server.client() as c:
+                _, info = await c._request("GET", "/get_model_info", None, 30)
+                return info, await _engine_logprobs(c)
+
+        info, got = asyncio.run(go())
+        assert info["weight_version"] == "1" and info["lora_adapter"]["checksum"] == checksum
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got, _completion_logprobs(tiny_model))) > 1e-3
+    finally:
+        server.stop()

@@ -133,9 +133,6 @@ class AsyncRLConfig(_Section):
             if self.trainer.reference.ema_eta is not None:
                 raise ValueError("trainer.lora uses the base model with the adapter disabled as the reference: "
                                  "trainer.reference.ema_eta (a reference that follows the actor) is not available with it")
-            if self.weight_sync.transport == "nccl":
-                raise ValueError("trainer.lora publishes adapter-only versions over weight_sync.transport disk or http; "
-                                 "the nccl transport does not carry adapters yet (docs/trainer.md#lora)")
         if self.trainer.advantage in ("grpo", "dr_grpo", "rloo") and r.n_samples_per_prompt < 2:
             raise ValueError(
                 f"trainer.advantage={self.trainer.advantage} needs rollout.n_samples_per_prompt >= 2 "
