@@ -138,7 +138,9 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._waiting: collections.deque[_Item] = collections.deque()
         self._paused: str | None = None
-        self._pending_updates: list[tuple[dict, str | None, Future]] = []
+        self._pending_updates: list[tuple[dict, str | None, Future, dict | None]] = []
+        self.lora_adapter: dict | None = None  # the merged LoRA adapter (engine_weights.py), None: none
+        self._lora_base: dict | None = None  # base values of the tensors an adapter was merged into
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._live: dict[str, EngineSample] = {}  # rid -> sample (waiting or running)
@@ -199,7 +201,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         """Run a control command in the engine thread between steps; returns its Future.
 
         Commands: ``pause(mode)``, ``resume()``, ``update_weights(state_dict, version,
-        abort_all)``, ``flush_cache()``, ``set_version(version)``.
+        abort_all)``, ``update_adapter(adapter_state, adapter_config, checksum, version, abort_all)``,
+        ``flush_cache()``, ``set_version(version)``.
         """
         fut: Future = Future()
         self._inbox.put(("call", name, args, fut))
@@ -421,8 +424,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         self._live.clear()
         self._waiting.clear()
         self._release_buffers()
-        for _, _, fut in self._pending_updates:
-            fut.set_exception(RuntimeError(message))
+        for update in self._pending_updates:
+            update[2].set_exception(RuntimeError(message))
         self._pending_updates.clear()
         self._publish(updated)
 

@@ -5,6 +5,10 @@ One job: change the engine's weights safely. :class:`EngineWeights` is a mixin o
 An update is validated and converted completely (names, shapes, floating dtypes, finite values,
 tied aliases) before the first copy, so a rejected update changes nothing; it is applied once
 the running batch drains (SGLang's writer lock) or at once when the engine is idle or paused.
+
+LoRA (``trainer.lora``): an adapter-only version is merged into a copy of the base weights
+(``update_adapter``; docs/trainer.md#lora): the merged model decodes at the base model's speed,
+and the engine reports the adapter it holds (``lora_adapter``: its checksum and version).
 """
 
 from __future__ import annotations
@@ -28,18 +32,107 @@ DEFERRED = _Deferred()
 class EngineWeights:
     """Weight validation and loading (mixin of :class:`rollout_server.engine.Engine`).
 
-    Expects ``torch``, ``model``, ``dtype``, ``weight_version``, ``_rows``, ``_paused``,
-    ``_pending_updates``, ``load()``, ``_abort()`` and ``_publish()`` on the engine.
+    Expects ``torch``, ``model``, ``dtype``, ``weight_version``, ``lora_adapter``, ``_lora_base``,
+    ``_rows``, ``_paused``, ``_pending_updates``, ``load()``, ``_abort()`` and ``_publish()`` on the engine.
     """
 
     def _cmd_update_weights(self, state: dict, version: str | None, abort_all: bool, fut: Future):
-        """Load ``state`` now if idle or paused, else once the running batch drains (writer lock)."""
+        """Load ``state`` now if idle or paused, else once the running batch drains (writer lock).
+
+        Full weights replace a merged LoRA adapter: the tensors it was merged into get their base
+        values back unless ``state`` gives them, and the engine reports no adapter afterwards.
+        """
         state = self._validate_state(state)  # before anything else: a rejected update changes nothing
+        if self._lora_base:
+            state = {**self._lora_base, **state}
         if abort_all:
             self._publish(self._abort("", True))
-        self._pending_updates.append((state, version, fut))
+        self._pending_updates.append((state, version, fut, None))
         self._apply_pending_updates()
         return DEFERRED
+
+    def _cmd_update_adapter(self, adapter: dict, config: dict, checksum: str, version: str | None, abort_all: bool,
+                            fut: Future):
+        """Merge a PEFT LoRA adapter into a copy of the base weights; loaded like full weights (writer lock).
+
+        Each targeted weight becomes ``W_base + scaling * B @ A`` computed in fp32 from the base
+        values kept at the first adapter (``scaling = lora_alpha / r``, or ``/ sqrt(r)`` with
+        ``use_rslora``; PEFT's ``LoraLayer``), so adapters never compound; tensors a previous
+        adapter targeted and this one does not get their base values back. After the load,
+        ``lora_adapter`` reports ``checksum``, ``version`` and the merged module count.
+        """
+        merged, base, info = self._merge_adapter(adapter, config)
+        info.update({"checksum": str(checksum), "version": None if version is None else str(version)})
+        merged = {**{n: t for n, t in base.items() if n not in merged}, **merged}
+        info["_base"] = base  # becomes the engine's base copy when this update is applied
+        merged = self._validate_state(merged)
+        if abort_all:
+            self._publish(self._abort("", True))
+        self._pending_updates.append((merged, version, fut, info))
+        self._apply_pending_updates()
+        return DEFERRED
+
+    def _merge_adapter(self, adapter: dict, config: dict) -> tuple[dict, dict, dict]:
+        """Check a PEFT LoRA adapter against the model and compute its merged weights (nothing applied).
+
+        Args:
+            adapter: ``get_peft_model_state_dict`` tensors: ``base_model.model.<module>.lora_A.weight``
+                (r, in_features) and ``...lora_B.weight`` (out_features, r) per targeted ``nn.Linear``.
+            config: PEFT's ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``).
+
+        Returns:
+            ``(merged {"<module>.weight": tensor}, base {name: base tensor}, info)``.
+
+        Raises:
+            RequestError: not a LoRA adapter, an option this merge does not implement (DoRA,
+                fan_in_fan_out, rank/alpha patterns, biases, modules_to_save), an empty adapter,
+                an A without its B, a module the model lacks, or shapes that do not fit.
+        """
+        torch = self.torch
+        if str(config.get("peft_type", "")).upper() != "LORA":
+            raise RequestError(f"adapter_config.json has peft_type {config.get('peft_type')!r}; only LORA adapters load")
+        unsupported = [k for k in ("use_dora", "fan_in_fan_out", "lora_bias") if config.get(k)]
+        unsupported += [k for k in ("rank_pattern", "alpha_pattern") if config.get(k)]
+        unsupported += ["modules_to_save"] if config.get("modules_to_save") else []
+        unsupported += [f"bias={config.get('bias')!r}"] if config.get("bias", "none") != "none" else []
+        if unsupported:
+            raise RequestError(f"the embedded engine's LoRA merge does not implement {', '.join(unsupported)}")
+        r, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", 0))
+        if r <= 0:
+            raise RequestError(f"adapter_config.json has r={config.get('r')!r}; expected a positive rank")
+        scaling = alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
+        if not adapter:
+            raise RequestError("the adapter holds no tensor")
+        prefix = "base_model.model."
+        pairs: dict[str, dict[str, object]] = {}
+        for name, t in adapter.items():
+            for part in ("A", "B"):
+                suffix = f".lora_{part}.weight"
+                if name.startswith(prefix) and name.endswith(suffix):
+                    pairs.setdefault(name[len(prefix):-len(suffix)], {})[part] = t
+                    break
+            else:
+                raise RequestError(f"adapter tensor {name!r} is not a LoRA A/B weight of a linear module "
+                                   f"({prefix}<module>.lora_A.weight / .lora_B.weight)")
+        params = self._named_tensors()
+        merged, base = {}, dict(self._lora_base or {})
+        for module, ab in sorted(pairs.items()):
+            if set(ab) != {"A", "B"}:
+                raise RequestError(f"adapter module {module!r} has lora_{next(iter(ab))} without its pair")
+            target = module + ".weight"
+            if target not in params:
+                raise RequestError(f"adapter targets {module!r}, which the model does not have (model has e.g. "
+                                   f"{next(iter(params))})")
+            a, b = ab["A"], ab["B"]
+            w = params[target]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r or (b.shape[0], a.shape[1]) != tuple(w.shape):
+                raise RequestError(f"adapter {module!r}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit rank {r} "
+                                   f"and weight {tuple(w.shape)}")
+            if target not in base:
+                base[target] = w.detach().clone()
+            delta = (b.detach().to("cpu", torch.float32) @ a.detach().to("cpu", torch.float32)) * scaling
+            merged[target] = (base[target].to(torch.float32) + delta).to(w.dtype)
+        return merged, base, {"modules": len(merged), "rank": r, "scaling": scaling}
 
     def _apply_pending_updates(self) -> None:
         if not self._pending_updates:
@@ -48,7 +141,7 @@ class EngineWeights:
             return  # wait for the running requests (SGLang holds the writer lock)
         torch = self.torch
         while self._pending_updates:
-            state, version, fut = self._pending_updates.pop(0)
+            state, version, fut, adapter = self._pending_updates.pop(0)
             try:
                 params = self._named_tensors()
                 with torch.no_grad():  # validated and converted beforehand: copies cannot fail half-way
@@ -56,8 +149,15 @@ class EngineWeights:
                         params[name].copy_(tensor)
                 if version is not None:
                     self.weight_version = str(version)
+                if adapter is not None:
+                    adapter = dict(adapter)
+                    self._lora_base = adapter.pop("_base")
+                else:
+                    self._lora_base = None  # full weights: no adapter left merged
+                self.lora_adapter = adapter
                 paused = self.load()
-                fut.set_result({"num_paused_requests": paused["num_running_reqs"] + paused["num_waiting_reqs"]})
+                fut.set_result({"num_paused_requests": paused["num_running_reqs"] + paused["num_waiting_reqs"],
+                                "lora_adapter": adapter})
             except Exception as exc:  # pragma: no cover - validated beforehand
                 fut.set_exception(exc)
 

@@ -255,6 +255,8 @@ class SamplingParamsBody(_Strict):
 
 
 #: fields of SGLang's ``GenerateReqInput`` that the embedded engine refuses (400) when they are set
+#: (``lora_path`` too: the embedded engine holds at most one LoRA adapter, merged into its weights by
+#: ``/update_weights_from_disk`` of an adapter-only version, not one per request; docs/trainer.md#lora)
 UNSUPPORTED_IF_SET = ("input_embeds", "lora_path", "custom_logit_processor", "image_data", "video_data",
                       "audio_data", "session_params", "token_ids_logprob")
 
@@ -422,12 +424,19 @@ class UpdateFromDistributedBody(_WeightUpdate):
     shapes: Annotated[list[Annotated[list[Count], Field(max_length=MAX_TENSOR_DIMS)]], Field(max_length=MAX_TENSORS)]
     group_name: Id = "weight_update_group"
     load_format: Optional[Annotated[str, Field(max_length=64)]] = None
+    lora_config: Optional[dict[str, Any]] = None
+    """asyncrl's extension (not SGLang's): the broadcast tensors are a PEFT LoRA adapter with this
+    ``adapter_config.json``, merged into the base weights (``trainer.lora`` over ``nccl``)."""
+    lora_checksum: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
+    """With ``lora_config``: the sha256 of the published ``adapter_model.safetensors``, reported back."""
 
     @model_validator(mode="after")
     def _same_lengths(self) -> "UpdateFromDistributedBody":
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise _error(f"names, dtypes and shapes must be lists of equal length, got {len(self.names)}, "
                          f"{len(self.dtypes)} and {len(self.shapes)}")
+        if (self.lora_config is None) != (self.lora_checksum is None):
+            raise _error("lora_config and lora_checksum go together (an adapter broadcast names its checksum)")
         return self
 
 

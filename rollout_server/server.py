@@ -428,6 +428,7 @@ class RolloutHTTPServer(WeightEndpoints):
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,
+            "lora_adapter": self.engine.lora_adapter,  # the merged LoRA adapter (checksum, version), None: none
             "has_image_understanding": False,
             "has_audio_understanding": False,
         })

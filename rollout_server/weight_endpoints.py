@@ -68,19 +68,82 @@ class WeightEndpoints:
         return await read_body(request, schema, self.weights_body_reader, allow_empty=False, what=what)
 
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_disk``: load a safetensors directory (:class:`~rollout_server.schemas.UpdateFromDiskBody`)."""
-        from asyncrl.core.weights import WeightLoadError, load_state_dict_from_dir
+        """``POST /update_weights_from_disk``: load a safetensors directory (:class:`~rollout_server.schemas.UpdateFromDiskBody`).
+
+        An adapter-only version (``adapter_config.json`` + ``adapter_model.safetensors``,
+        ``trainer.lora``) is verified against its ``SHA256SUMS`` and merged into the base weights
+        (:meth:`_apply_adapter_dir`); the answer's ``lora_adapter`` names the adapter now loaded.
+        """
+        from asyncrl.core.weights import WeightLoadError, is_adapter_dir, load_state_dict_from_dir
 
         try:
             body = await self._weights_body(request, UpdateFromDiskBody, "/update_weights_from_disk")
         except RequestError as exc:
             return _refused(exc)
         async with self._weights_lock:
+            if is_adapter_dir(body.model_path):
+                return await self._apply_adapter_dir(body)
             try:
                 state = await self.loop.run_in_executor(None, load_state_dict_from_dir, body.model_path)
             except WeightLoadError as exc:
                 return web.json_response({"success": False, "message": f"Failed to get weights iterator: {exc}"}, status=400)
             return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
+
+    async def _apply_adapter_dir(self, body: Any) -> web.Response:
+        """Verify and merge an adapter-only version directory; 400 with the reason when it does not land.
+
+        The adapter's checksum (sha256 of ``adapter_model.safetensors``, the one the trainer
+        announced) is what the engine then reports in ``lora_adapter.checksum``, so the caller can
+        check that the adapter it asked for is the one generating.
+        """
+        import json
+        from pathlib import Path
+
+        from asyncrl.core.weights import (
+            ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ChecksumError, WeightLoadError, sha256_file, verify_weights_dir,
+        )
+
+        path = Path(body.model_path)
+
+        def read() -> tuple[dict, dict, str]:
+            from safetensors.torch import load_file
+
+            if (path / "SHA256SUMS").is_file():
+                verify_weights_dir(path)
+            try:
+                config = json.loads((path / ADAPTER_CONFIG_FILE).read_text())
+                tensors = load_file(str(path / ADAPTER_WEIGHTS_FILE), device="cpu")
+            except Exception as exc:  # OSError, JSONDecodeError, SafetensorError
+                raise WeightLoadError(f"cannot read the adapter in {path}: {exc}") from exc
+            if not isinstance(config, dict):
+                raise WeightLoadError(f"{path / ADAPTER_CONFIG_FILE} is not a JSON object")
+            return tensors, config, sha256_file(path / ADAPTER_WEIGHTS_FILE)
+
+        try:
+            tensors, config, checksum = await self.loop.run_in_executor(None, read)
+        except (WeightLoadError, ChecksumError) as exc:
+            return web.json_response({"success": False, "message": f"Failed to load the LoRA adapter: {exc}"}, status=400)
+        return await self._merge_adapter_tensors(tensors, config, checksum, body)
+
+    async def _merge_adapter_tensors(self, tensors: dict, config: dict, checksum: str, body: Any) -> web.Response:
+        """Hand an adapter (tensors + ``adapter_config.json`` + its checksum) to the engine's merge;
+        400 with the reason when it does not fit, else ``lora_adapter`` names what is loaded."""
+        from asyncrl.core.weights import WeightLoadError
+
+        version = None if body.weight_version is None else str(body.weight_version)
+        try:
+            res = await asyncio.wrap_future(self.engine.call("update_adapter", tensors, config, checksum, version,
+                                                             bool(body.abort_all_requests)))
+        except (RequestError, WeightLoadError) as exc:
+            return web.json_response({"success": False, "message": f"Failed to load the LoRA adapter: {exc}"}, status=400)
+        if self.rollout_metrics is not None:
+            with contextlib.suppress(TypeError, ValueError):
+                self.rollout_metrics.policy_version.set(int(version))
+        msg = f"Succeeded to merge the LoRA adapter {checksum[:12]} into the base weights."
+        if version is not None:
+            msg += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"],
+                                  "lora_adapter": res["lora_adapter"]})
 
     async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_tensor``: base64 safetensors payloads (:class:`~rollout_server.schemas.UpdateFromTensorBody`)."""
@@ -156,6 +219,8 @@ class WeightEndpoints:
                 )
             except (WeightLoadError, RuntimeError) as exc:
                 return web.json_response({"success": False, "message": f"Failed to receive weights: {exc}"}, status=400)
+            if body.lora_config is not None:  # trainer.lora over nccl: the tensors are an adapter
+                return await self._merge_adapter_tensors(state, body.lora_config, body.lora_checksum, body)
             return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
 
     async def handle_destroy_group(self, request: web.Request) -> web.Response:

@@ -177,9 +177,10 @@ class WorkerWeightSync:
                     path = await self._weights_path(ann)  # fetch before pausing: the pause stays short
                     await self.client.pause(self.opts.pause_mode)
                     try:
-                        await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
+                        res = await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
                     finally:
                         await self.client.resume()
+                    self._check_adapter_landed(path, ann, res)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -201,6 +202,28 @@ class WorkerWeightSync:
                 self.metrics.weights_loaded(ann.version, transport, _now() - t0, lag)
             log.info("policy version %d (lineage %d) live on %s", ann.version, ann.lineage, self.client.url)
             return True
+
+    def _check_adapter_landed(self, path: str, ann: WeightAnnouncement, res: dict) -> None:
+        """An adapter-only version (``trainer.lora``) must be confirmed by the engine, or the load failed.
+
+        The embedded engine answers ``lora_adapter`` with the checksum of the adapter it merged; an
+        engine that does not (SGLang's ``/update_weights_from_disk`` knows no adapter directory)
+        would keep sampling from the old policy while the worker labelled tokens with the new
+        version, so that is an error: the worker stays at its version and retries (loud).
+
+        Raises:
+            EngineError: the answer names no adapter, or another one than announced.
+        """
+        from asyncrl.core.weights import is_adapter_dir
+
+        if not is_adapter_dir(path):
+            return
+        got = (res or {}).get("lora_adapter") or {}
+        if got.get("checksum") != ann.checksum or got.get("version") != str(ann.version):
+            raise EngineError(200, f"the engine did not confirm LoRA adapter version {ann.version} (checksum {ann.checksum[:12]}): "
+                              f"it answered lora_adapter={got or None}; adapter-only weight sync needs the embedded "
+                              "engine (SGLang's /load_lora_adapter path is not implemented, docs/trainer.md#lora)",
+                              self.client.url)
 
     async def _wait_engine_version(self, version: str, timeout_seconds: float = 600.0) -> None:
         deadline = _now() + timeout_seconds

@@ -20,6 +20,11 @@ checksum (``Trainer.publish_weights``, :class:`WeightPublishing` below). Transpo
   The announced uri is the disk directory; engines already updated report the new
   ``weight_version`` and skip the reload.
 
+With ``trainer.lora`` a version is adapter-only (:meth:`WeightPublishing._publish_adapter`:
+``adapter_model.safetensors`` + ``adapter_config.json``, PEFT's format; trainer/lora.py), carried
+by ``disk`` and ``http``, and pushed by ``nccl`` with the adapter's config and checksum in the
+``/update_weights_from_distributed`` body (asyncrl's ``lora_config``/``lora_checksum``).
+
 The directory format and both ends of each transport are in :mod:`asyncrl.core.weights`, which the
 rollout servers import too; this module holds what only the trainer does:
 :class:`WeightPublishing` (``Trainer.full_state_dict``, ``Trainer.publish_weights``, the files
@@ -61,8 +66,12 @@ class NcclWeightPusher:
         self.api_key, self.timeout_seconds = api_key, timeout_seconds
         self._sender = None
 
-    async def push(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Broadcast ``state_dict`` to every engine as ``weight_version = str(version)``."""
+    async def push(self, state_dict: Mapping[str, Any], version: int, lora: tuple[dict, str] | None = None) -> None:
+        """Broadcast ``state_dict`` to every engine as ``weight_version = str(version)``.
+
+        ``lora``: ``(adapter_config.json content, adapter checksum)`` when ``state_dict`` is a LoRA
+        adapter (``trainer.lora``); the embedded engine merges it (a failed merge raises here).
+        """
         from asyncrl.core.net import free_port
         from asyncrl.core.weights import DistributedWeightSender
 
@@ -72,7 +81,8 @@ class NcclWeightPusher:
                                              timeout_seconds=self.timeout_seconds)
             await sender.init()
             self._sender = sender
-        await self._sender.send(dict(state_dict), version=str(version))
+        extra = {"lora_config": lora[0], "lora_checksum": lora[1]} if lora is not None else None
+        await self._sender.send(dict(state_dict), version=str(version), extra=extra)
 
     async def close(self) -> None:
         """Destroy the weight-update group on the engines and here."""
@@ -157,6 +167,8 @@ class WeightPublishing:
         if version in self.published_versions:
             return {"version": float(version)}
         start = time.perf_counter()
+        if getattr(self, "lora", False):
+            return self._publish_adapter(version, start)
         sd = self.full_state_dict()
         out = {"version": float(version)}
         if self.rank == 0:
@@ -176,6 +188,37 @@ class WeightPublishing:
                 self.run_async(self.announce(version, uri, checksum))
             out.update({"publish_seconds": time.perf_counter() - start,
                         "publish_bytes": float((path / "model.safetensors").stat().st_size),
+                        "uri": uri, "checksum": checksum})
+        self._barrier()
+        self.published_version = version
+        self.published_versions.append(version)
+        return out
+
+    def _publish_adapter(self, version: int, start: float) -> dict[str, Any]:
+        """``trainer.lora``: publish only the adapter (``adapter_model.safetensors`` +
+        ``adapter_config.json``, PEFT's format; trainer/lora.py) as ``version``, then announce it.
+
+        The checksum announced is the sha256 of ``adapter_model.safetensors``; rollout servers
+        merge the adapter into their copy of the base weights (docs/trainer.md#lora); with ``nccl``
+        the adapter is also pushed into the running engines. Collective: call on every rank.
+        """
+        from asyncrl.core.weights import ADAPTER_WEIGHTS_FILE, write_weights
+        from trainer.lora import adapter_config_json, adapter_state_dict
+
+        sd = adapter_state_dict(self.module, getattr(torch, self.cfg.model.dtype),
+                                self.engine.zero_optimization_stage() == 3, self.rank)
+        out: dict[str, Any] = {"version": float(version)}
+        if self.rank == 0:
+            config = adapter_config_json(self.module, str(self.model_source or self.cfg.model.path))
+            path, checksum = write_weights(self.weights_dir, version, sd, config, adapter=True,
+                                           keep_last=self.cfg.weight_sync.keep_last)
+            uri = self.http_server.uri_for(version) if self.http_server is not None else str(path.resolve())
+            if self.nccl_pusher is not None:
+                self.run_async(self.nccl_pusher.push(sd, version, lora=(config, checksum)))
+            if self.announce is not None:
+                self.run_async(self.announce(version, uri, checksum))
+            out.update({"publish_seconds": time.perf_counter() - start,
+                        "publish_bytes": float((path / ADAPTER_WEIGHTS_FILE).stat().st_size),
                         "uri": uri, "checksum": checksum})
         self._barrier()
         self.published_version = version

@@ -23,6 +23,9 @@ One train step (one train batch of prompt groups):
 4. :meth:`publish_weights` every ``weight_sync.interval`` steps (durable first, then announce;
    ``trainer/publisher.py``), and checkpoints (``trainer/checkpoint.py``).
 
+LoRA (``trainer.lora``, trainer/lora.py): the actor is a PEFT model whose adapter alone trains;
+the reference is the same module with the adapter disabled; publishing writes the adapter only.
+
 Policy versions: the weights after ``step`` train batches have version ``step`` (version 0 is
 the initial model); staleness of a token = ``step`` at the start of the batch minus its version.
 Rank 0 fetches batches; :meth:`broadcast_groups` shares them with other ranks as JSON bytes
@@ -149,12 +152,20 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         self.model_config = model.config
         self.model_source = self._model_source(cfg.model.path, model)
         self._extra_files = self._tokenizer_files() if self.rank == 0 else {}
+        self.lora = cfg.trainer.lora is not None
+        if self.lora:
+            from trainer.lora import apply_lora
+
+            model = apply_lora(model, cfg.trainer.lora)
         self.engine = build_engine(model, cfg)
         #: where DeepSpeed put the model (the accelerator's device: cuda:<local rank> on a GPU, else
         #: cpu); packed micro-batches and the loss's tensors are made there (see :meth:`_forward`)
         self.device = next(self.engine.module.parameters()).device
         self.ref_model = None
-        if cfg.trainer.loss.kl_coef > 0 or cfg.trainer.kl_ctl.coef > 0:
+        needs_ref = cfg.trainer.loss.kl_coef > 0 or cfg.trainer.kl_ctl.coef > 0
+        if needs_ref and self.lora and not cfg.trainer.reference.model_path:
+            pass  # the base with the adapter disabled, set once the attention implementation is chosen
+        elif needs_ref:
             from asyncrl.models import load_causal_lm
 
             ref_path = cfg.trainer.reference.model_path or cfg.model.path
@@ -179,6 +190,10 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
                             "attention runs over the packed row", " or ".join(BLOCK_ATTENTION_BASES[:2]),
                             ", ".join(map(str, impls)))
                 self.attention = "row"
+        if needs_ref and self.ref_model is None:  # LoRA: the reference is the base, the adapter switched off
+            from trainer.lora import AdapterDisabled
+
+            self.ref_model = AdapterDisabled(self.engine, self.engine.module)
         self.critic = None
         if cfg.trainer.advantage == "gae":
             from trainer.critic import Critic

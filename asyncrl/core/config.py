@@ -43,6 +43,7 @@ from asyncrl.core.config_sections import (  # noqa: F401  (re-exported)
     DataConfig,
     GAEConfig,
     KLControlConfig,
+    LoraConfig,
     LossConfig,
     ModelConfig,
     MonitoringConfig,
@@ -128,6 +129,10 @@ class AsyncRLConfig(_Section):
                 "correction (decoupled, tis or mask_stale) or run synchronously "
                 "(--partial_percent 1 --max_staleness 0)"
             )
+        if self.trainer.lora is not None:
+            if self.trainer.reference.ema_eta is not None:
+                raise ValueError("trainer.lora uses the base model with the adapter disabled as the reference: "
+                                 "trainer.reference.ema_eta (a reference that follows the actor) is not available with it")
         if self.trainer.advantage in ("grpo", "dr_grpo", "rloo") and r.n_samples_per_prompt < 2:
             raise ValueError(
                 f"trainer.advantage={self.trainer.advantage} needs rollout.n_samples_per_prompt >= 2 "

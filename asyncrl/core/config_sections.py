@@ -23,7 +23,7 @@ __all__ = [
     "train_batch_groups", "RunConfig", "ModelConfig", "ArithmeticConfig", "SelectiveRolloutConfig", "DataConfig",
     "RolloutConfig",
     "StalePolicy", "BufferConfig", "LossConfig", "OptimizerConfig", "GAEConfig", "CriticConfig",
-    "KLControlConfig", "ReferenceConfig", "TrainerConfig", "WeightSyncConfig", "MonitoringConfig",
+    "KLControlConfig", "ReferenceConfig", "LoraConfig", "TrainerConfig", "WeightSyncConfig", "MonitoringConfig",
     "SecurityConfig", "ResourcesConfig", "RewardModelConfig", "RewardConfig",
 ]
 
@@ -476,6 +476,20 @@ class ReferenceConfig(_Section):
     """After each train step the reference follows the actor: ``ref <- eta * actor + (1 - eta) * ref`` (AReaL's ``ref_ema_eta``); None: frozen."""
 
 
+class LoraConfig(_Section):
+    """A PEFT LoRA adapter trained on the actor instead of all its weights (``trainer.lora``; docs/trainer.md#lora)."""
+
+    rank: int = Field(16, ge=1, le=1024)
+    """Rank r of each adapter (``peft.LoraConfig.r``)."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scale numerator: the update is ``(alpha / rank) * B @ A`` (``peft.LoraConfig.lora_alpha``)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input in training forward passes (``peft.LoraConfig.lora_dropout``). Keep 0 for RL: the rollout engine has no dropout, so any makes the trained logprobs differ from the behaviour policy's."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"], min_length=1)
+    """Names (suffixes) of the ``nn.Linear`` modules that get an adapter (``peft.LoraConfig.target_modules``); the default is every projection of a Llama-style block."""
+
+
 class TrainerConfig(_Section):
     """The DeepSpeed trainer, advantages and loss (``trainer.*``)."""
 
@@ -493,6 +507,8 @@ class TrainerConfig(_Section):
     """The per-token KL penalty in the reward and its adaptive coefficient (``advantage: gae``)."""
     reference: ReferenceConfig = ReferenceConfig()
     """The reference model: its weights and whether it follows the actor."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter (PEFT) instead of the full weights, and publish only the adapter (docs/trainer.md#lora). None: full fine-tuning. The reference is then the base model with the adapter disabled (no second copy)."""
     loss: LossConfig = LossConfig()
     """PPO-family loss and off-policy correction."""
     optimizer: OptimizerConfig = OptimizerConfig()

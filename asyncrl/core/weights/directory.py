@@ -35,6 +35,10 @@ from typing import Any
 __all__ = [
     "WEIGHTS_FILE",
     "SUMS_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "ADAPTER_CONFIG_FILE",
+    "is_adapter_dir",
+    "weights_file_of",
     "PublishError",
     "ChecksumError",
     "WeightLoadError",
@@ -48,6 +52,11 @@ __all__ = [
 
 WEIGHTS_FILE = "model.safetensors"
 SUMS_FILE = "SHA256SUMS"
+#: An adapter-only version (``trainer.lora``) holds these instead of ``model.safetensors`` and
+#: ``config.json``: PEFT's own file names, so the directory loads with ``PeftModel.from_pretrained``
+#: and SGLang's ``/load_lora_adapter``. Its announced checksum is the sha256 of the adapter file.
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
 
 
@@ -129,8 +138,13 @@ def write_weights(
     generation_config_json: dict[str, Any] | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     keep_last: int | None = None,
+    adapter: bool = False,
 ) -> tuple[Path, str]:
     """Write one version directory atomically and prune old versions.
+
+    With ``adapter=True`` the version is adapter-only (``trainer.lora``): ``state_dict`` holds the
+    PEFT adapter tensors (``get_peft_model_state_dict`` names) and is written as
+    ``adapter_model.safetensors``, ``config_json`` is PEFT's ``adapter_config.json``.
 
     Args:
         weights_dir: parent directory of version directories (created if missing).
@@ -143,7 +157,7 @@ def write_weights(
         keep_last: keep only this many newest versions (None: keep all).
 
     Returns:
-        ``(version directory, sha256 of model.safetensors)``.
+        ``(version directory, sha256 of model.safetensors or adapter_model.safetensors)``.
 
     Raises:
         PublishError: the version directory already exists (versions are immutable), or the write failed.
@@ -159,14 +173,16 @@ def write_weights(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    weights_file = ADAPTER_WEIGHTS_FILE if adapter else WEIGHTS_FILE
+    config_file = ADAPTER_CONFIG_FILE if adapter else "config.json"
     try:
         tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
         # save_file writes straight from the tensors (several times faster than building the
         # bytes in Python and writing them); the hash then re-reads the file from the page cache.
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        _fsync_file(tmp / WEIGHTS_FILE)
-        sums = {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}
-        sums["config.json"] = _write_file(tmp / "config.json", json.dumps(config_json, indent=2, sort_keys=True).encode())
+        save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
+        _fsync_file(tmp / weights_file)
+        sums = {weights_file: sha256_file(tmp / weights_file)}
+        sums[config_file] = _write_file(tmp / config_file, json.dumps(config_json, indent=2, sort_keys=True).encode())
         if generation_config_json is not None:
             sums["generation_config.json"] = _write_file(tmp / "generation_config.json",
                                                          json.dumps(generation_config_json, indent=2).encode())
@@ -189,7 +205,26 @@ def write_weights(
         for old in list_versions(weights_dir)[:-keep_last]:
             if old != version:
                 shutil.rmtree(weights_dir / version_dir_name(old), ignore_errors=True)
-    return final, sums[WEIGHTS_FILE]
+    return final, sums[weights_file]
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """True when ``path`` is an adapter-only version (it holds ``adapter_config.json``)."""
+    return (Path(path) / ADAPTER_CONFIG_FILE).is_file()
+
+
+def weights_file_of(sums: Mapping[str, str]) -> str:
+    """The file whose sha256 is a version's announced checksum: ``model.safetensors`` or, in an
+    adapter-only version, ``adapter_model.safetensors``.
+
+    Raises:
+        ChecksumError: ``sums`` lists neither (or both).
+    """
+    present = [n for n in (WEIGHTS_FILE, ADAPTER_WEIGHTS_FILE) if n in sums]
+    if len(present) != 1:
+        raise ChecksumError(f"{SUMS_FILE} must list exactly one of {WEIGHTS_FILE}, {ADAPTER_WEIGHTS_FILE}; it lists "
+                            f"{present or 'neither'}")
+    return present[0]
 
 
 def _read_sums(text: str) -> dict[str, str]:
@@ -204,13 +239,13 @@ def _read_sums(text: str) -> dict[str, str]:
         if "/" in name or name.startswith(".") or not name:
             raise ChecksumError(f"{SUMS_FILE} names a file outside the directory: {name!r}")
         sums[name] = parts[0]
-    if WEIGHTS_FILE not in sums:
-        raise ChecksumError(f"{SUMS_FILE} does not list {WEIGHTS_FILE}")
+    weights_file_of(sums)
     return sums
 
 
 def verify_weights_dir(path: Path, checksum: str | None = None) -> None:
-    """Check every file listed in ``SHA256SUMS`` (and ``checksum`` of model.safetensors when given).
+    """Check every file listed in ``SHA256SUMS`` (and ``checksum`` of model.safetensors when given;
+    of adapter_model.safetensors in an adapter-only version).
 
     Raises:
         ChecksumError: a file is missing or its hash differs (the message names it).
@@ -220,8 +255,9 @@ def verify_weights_dir(path: Path, checksum: str | None = None) -> None:
         sums = _read_sums((path / SUMS_FILE).read_text())
     except FileNotFoundError:
         raise ChecksumError(f"{path} has no {SUMS_FILE}") from None
-    if checksum is not None and sums[WEIGHTS_FILE] != checksum:
-        raise ChecksumError(f"{path}: {SUMS_FILE} lists {WEIGHTS_FILE} as {sums[WEIGHTS_FILE]}, announced {checksum}")
+    main = weights_file_of(sums)
+    if checksum is not None and sums[main] != checksum:
+        raise ChecksumError(f"{path}: {SUMS_FILE} lists {main} as {sums[main]}, announced {checksum}")
     for name, expected in sums.items():
         if not (path / name).is_file():
             raise ChecksumError(f"{path}: {name} is missing")

@@ -137,8 +137,13 @@ class DistributedWeightSender:
         self.pg = await join
         await posts
 
-    async def send(self, named_tensors: dict[str, Any], version: str | None = None, flush_cache: bool = True) -> None:
-        """Announce the tensors to every engine and broadcast them (rank 0 -> all)."""
+    async def send(self, named_tensors: dict[str, Any], version: str | None = None, flush_cache: bool = True,
+                   extra: dict[str, Any] | None = None) -> None:
+        """Announce the tensors to every engine and broadcast them (rank 0 -> all).
+
+        ``extra``: more fields of the ``/update_weights_from_distributed`` body (asyncrl's
+        ``lora_config``/``lora_checksum`` for an adapter; SGLang has no such fields).
+        """
         import torch.distributed as dist
 
         if self.pg is None:
@@ -147,7 +152,7 @@ class DistributedWeightSender:
         tensors = [named_tensors[n].detach().contiguous() for n in names]
         body = {"names": names, "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
                 "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
-                "flush_cache": flush_cache, "weight_version": version}
+                "flush_cache": flush_cache, "weight_version": version, **(extra or {})}
         posts = asyncio.ensure_future(self._post_all("/update_weights_from_distributed", [body] * len(self.urls)))
 
         def broadcast() -> None:

@@ -28,13 +28,13 @@ from typing import Any
 from asyncrl.core.weights.directory import (
     _VERSION_RE,
     SUMS_FILE,
-    WEIGHTS_FILE,
     ChecksumError,
     _fsync_dir,
     _read_sums,
     _write_file,
     list_versions,
     verify_weights_dir,
+    weights_file_of,
     version_dir_name,
 )
 
@@ -161,7 +161,8 @@ async def download_weights(uri: str, checksum: str, dest_root: Path, *, timeout_
 
     Args:
         uri: ``http://host:port/weights/v000007/`` as announced.
-        checksum: announced sha256 of ``model.safetensors``.
+        checksum: announced sha256 of ``model.safetensors`` (``adapter_model.safetensors`` in an
+            adapter-only version, which downloads the same way).
         dest_root: local directory; the version lands in ``dest_root/v000007`` (reused if already
             present and valid).
         timeout_seconds: bound on the whole download.
@@ -198,8 +199,9 @@ async def download_weights(uri: str, checksum: str, dest_root: Path, *, timeout_
                 resp.raise_for_status()
                 sums_text = await resp.text()
             sums = _read_sums(sums_text)
-            if sums[WEIGHTS_FILE] != checksum:
-                raise ChecksumError(f"{uri}: {WEIGHTS_FILE} is listed as {sums[WEIGHTS_FILE]}, announced {checksum}")
+            main = weights_file_of(sums)  # model.safetensors, or adapter_model.safetensors (adapter-only)
+            if sums[main] != checksum:
+                raise ChecksumError(f"{uri}: {main} is listed as {sums[main]}, announced {checksum}")
             for fname, expected in sums.items():
                 h = hashlib.sha256()
                 with open(tmp / fname, "wb") as f:
