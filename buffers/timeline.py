@@ -2,7 +2,7 @@
 
 The buffer's Lua scripts record each transition of a sample (fed, admitted, claimed, first tokens,
 parked, resumed, completed, scored, batched, acknowledged, committed, restarted, dropped...) in the
-``tl`` field of its sample or group hash, with the server time of the script (Redis ``TIME``) and the
+string ``<sample or group key>|tl``, with the server time of the script (Redis ``TIME``) and the
 caller's ``role@host:pid``: no extra round trip. When a group is committed or dropped, its timeline
 leaves Redis through the ``timeline`` list; the trainer moves that list to rotated JSON-lines files
 here after each commit (:meth:`buffers.ReplayBuffer.export_timeline`), so Redis memory does not grow
@@ -127,7 +127,7 @@ class TimelineEvent:
 
 
 def parse_events(tl: str) -> Iterator[TimelineEvent]:
-    """The events of a ``tl`` field: lines ``<name> <t_ms> <origin>[ key=value ...]``; damaged lines skipped."""
+    """The events of a timeline string: lines ``<name> <t_ms> <origin>[ key=value ...]``; damaged lines skipped."""
     for line in (tl or "").splitlines():
         parts = line.split(" ")
         if len(parts) < 3 or not parts[1].isdigit():

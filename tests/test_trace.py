@@ -229,3 +229,29 @@ async def test_cli_writes_json_and_png(redis_url, tmp_path):
     assert trace_main([str(run_dir), "--step", "3", "--out", str(tmp_path / "s.json")]) == 0
     assert trace_main([str(run_dir), "--minutes", "0-5", "--out", str(tmp_path / "m.json")]) == 0
     assert trace_main([str(tmp_path / "empty")]) == 2
+
+
+async def test_a_timeline_stops_growing_at_its_cap(redis_url):
+    import redis.asyncio as aioredis
+
+    buf = await ReplayBuffer.open(redis_url, "cap", _settings(max_budget_tokens=100, max_response_len=400, n_samples_per_prompt=1),
+                                  role="rollout")
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        await buf.feed([buf.make_group("g0", [1])], 0)
+        key = "asyncrl:{cap}:sample:g0/0|tl"
+        for _ in range(400):  # claim, one token, abort: three events a cycle, ~75 bytes each
+            [it] = await buf.claim("a-rather-long-worker-name-to-fill-the-timeline", 1)
+            await _gen(buf, it, 1, 0, "abort")
+            if int((await buf.stats())["counters"].get("timeline_events_truncated", 0)) > 3:
+                break
+        assert int((await buf.stats())["counters"].get("timeline_events_truncated", 0)) > 3
+        text = (await r.get(key)).decode()
+        assert len(text) <= 16384 and text.endswith("\n")  # whole lines only: the first events are kept
+        from buffers.timeline import parse_events
+
+        events = list(parse_events(text))
+        assert events[0].name == "claim" and len(events) == text.count("\n")
+    finally:
+        await r.aclose()
+        await buf.close()

@@ -134,7 +134,12 @@ def load_lives(records: Iterable[dict[str, Any]]) -> tuple[list[SampleLife], lis
             samples = list(samples.values())
         for s in samples:
             sid = f"{gid}/{s.get('i')}"
-            events = sorted(list(parse_events(s.get("tl", ""))) + gevents, key=lambda e: e.t_ms)
+            # one script may record a group's and a sample's event at the same ms (a claim admits the group
+            # it then claims from; a score makes the group READY): admission first, then the sample's, then
+            # the group's later events
+            tagged = [(e.t_ms, 0 if e.name in ("fed", "admit") else 2, e) for e in gevents]
+            tagged += [(e.t_ms, 1, e) for e in parse_events(s.get("tl", ""))]
+            events = [e for *_, e in sorted(tagged, key=lambda x: (x[0], x[1]))]
             life = SampleLife(sid, gid, events, str(rec.get("how", "")),
                               step=rec.get("step") if rec.get("how") == "committed" else None,
                               version=rec.get("version") if rec.get("how") == "committed" else None,

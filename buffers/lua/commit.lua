@@ -17,8 +17,8 @@ for _, bid in ipairs(bids) do
       tl_group_record(gid, 'committed', {version = tonumber(b[3] or ''), lineage = tonumber(b[4] or '')})
     end
     local n = tonumber(redis.call('HGET', gkey(gid), 'n') or '0')
-    for i = 0, n - 1 do redis.call('DEL', skey(gid .. '/' .. i)) end
-    redis.call('DEL', gkey(gid))
+    for i = 0, n - 1 do redis.call('DEL', skey(gid .. '/' .. i), skey(gid .. '/' .. i) .. '|tl') end
+    redis.call('DEL', gkey(gid), gkey(gid) .. '|tl')
     redis.call('ZREM', k('groups'), gid)
     c = c + 1
   end

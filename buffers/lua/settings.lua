@@ -20,16 +20,20 @@ local ARGV = (function(a)
 end)(ARGV)
 -- records kept per sample or group: a timeline past TL_MAX bytes keeps its first events and counts the rest
 local TL_MAX = 16384
--- Append one event `<name> <server time ms> <origin>[ <key=value ...>]` to the `tl` field of the hash
--- `key` (a sample or a group). The time is the script's NOW (Redis TIME, server clock): no round trip.
+-- Append one event `<name> <server time ms> <origin>[ <key=value ...>]` to the timeline of the sample or
+-- group whose hash is `key`: the string `<key>|tl` ('|' is in no group or sample id, so it never names
+-- another hash; APPEND costs the new line only, in memory and in the AOF). The time is the script's NOW
+-- (Redis TIME, server clock): no round trip.
 local function tl(key, ev, extra)
   if not TL then return end
-  local cur = redis.call('HGET', key, 'tl') or ''
-  if #cur > TL_MAX then
+  local tk = key .. '|tl'
+  local line = ev .. ' ' .. NOW .. ' ' .. ORIGIN .. (extra and (' ' .. extra) or '') .. '\n'
+  local n = redis.call('APPEND', tk, line)  -- one call on the common path
+  if n > TL_MAX then  -- past the cap: take the line back (rare: a very long episode)
+    local prev = n - #line
+    if prev > 0 then redis.call('SET', tk, redis.call('GETRANGE', tk, 0, prev - 1)) else redis.call('DEL', tk) end
     stat('timeline_events_truncated')
-    return
   end
-  redis.call('HSET', key, 'tl', cur .. ev .. ' ' .. NOW .. ' ' .. ORIGIN .. (extra and (' ' .. extra) or '') .. '\n')
 end
 -- Records leave Redis through the list `timeline` (committed and dropped groups, batches, publishes,
 -- recoveries); the trainer exports it to <run_dir>/trace/ after each commit. Bounded: past TL_OUT_MAX
@@ -47,16 +51,18 @@ end
 local function tl_group_record(gid, how, extra)
   if not TL then return end
   local gk = k('group:' .. gid)
-  local g = redis.call('HMGET', gk, 'n', 'tl', 'batch', 'step', 'feed_index')
+  local g = redis.call('HMGET', gk, 'n', 'batch', 'step', 'feed_index')
   local samples = {}
   for i = 0, (tonumber(g[1]) or 0) - 1 do
-    local f = redis.call('HMGET', k('sample:' .. gid .. '/' .. i), 'tl', 'status', 'minv', 'maxv', 'reward', 'ids', 'finish', 'resumes', 'restarts')
-    samples[#samples + 1] = {i = i, tl = f[1] or '', status = f[2] or '', minv = tonumber(f[3] or '-1'),
-      maxv = tonumber(f[4] or '-1'), reward = tonumber(f[5] or ''), tokens = #(f[6] or '') / 4, finish = f[7] or '',
-      resumes = tonumber(f[8] or '0'), restarts = tonumber(f[9] or '0')}
+    local sk = k('sample:' .. gid .. '/' .. i)
+    local f = redis.call('HMGET', sk, 'status', 'minv', 'maxv', 'reward', 'finish', 'resumes', 'restarts')
+    samples[#samples + 1] = {i = i, tl = redis.call('GET', sk .. '|tl') or '', status = f[1] or '',
+      minv = tonumber(f[2] or '-1'), maxv = tonumber(f[3] or '-1'), reward = tonumber(f[4] or ''),
+      tokens = redis.call('HSTRLEN', sk, 'ids') / 4, finish = f[5] or '', resumes = tonumber(f[6] or '0'),
+      restarts = tonumber(f[7] or '0')}
   end
-  local rec = {kind = 'group', gid = gid, how = how, t = NOW, origin = ORIGIN, tl = g[2] or '', batch = g[3] or '',
-    step = tonumber(g[4] or ''), feed_index = tonumber(g[5] or ''), samples = samples}
+  local rec = {kind = 'group', gid = gid, how = how, t = NOW, origin = ORIGIN, tl = redis.call('GET', gk .. '|tl') or '',
+    batch = g[2] or '', step = tonumber(g[3] or ''), feed_index = tonumber(g[4] or ''), samples = samples}
   for key, val in pairs(extra or {}) do rec[key] = val end
   tl_out(rec)
 end
@@ -167,9 +173,9 @@ local function drop_group(gid, reason)
   for i = 0, n - 1 do
     local sid = gid .. '/' .. i
     unqueue(sid)
-    redis.call('DEL', skey(sid))
+    redis.call('DEL', skey(sid), skey(sid) .. '|tl')
   end
-  redis.call('DEL', gk)
+  redis.call('DEL', gk, gk .. '|tl')
   redis.call('ZREM', k('inflight'), gid)
   redis.call('ZREM', k('ready'), gid)
   redis.call('ZREM', k('groups'), gid)
