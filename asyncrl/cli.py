@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("trainer.cli:main", "run the DeepSpeed trainer (works under torchrun and the deepspeed launcher)"),
     "eval": ("asyncrl.evaluation.cli:main", "held-out accuracy of a model or checkpoint on a task"),
     "report": ("asyncrl.metrics.report:main", "curves (PNG) and a markdown summary of a run directory"),
+    "trace": ("asyncrl.metrics.trace:main", "every sample's life as a Perfetto trace (`asyncrl trace RUN_DIR [--png]`)"),
 }
 
 USAGE = "usage: asyncrl [-h] [--version] COMMAND [ARGS...]"

@@ -78,6 +78,16 @@ def _tagged(finish: str, trajectory: int | None) -> str:
     return f"{finish}@{int(trajectory)}"
 
 
+def origin_of(role: str) -> str:
+    """``role@host:pid`` of this process, as the scripts record it (no spaces, at most 128 characters)."""
+    import os
+    import re
+    import socket
+
+    raw = f"{role}@{socket.gethostname()}:{os.getpid()}"
+    return re.sub(r"[^A-Za-z0-9_.:@/-]", "_", raw)[:128]
+
+
 def _decode_append(reply: Any) -> Any:
     """``length * 8 + status code`` -> (length, status); an error string -> its exception."""
     if isinstance(reply, int):
@@ -100,17 +110,20 @@ class ReplayBuffer(BufferInspection, PassRateStore):
     pass-rate filter's keys from :class:`buffers.pass_rates.PassRateStore`.
     """
 
-    def __init__(self, redis: Any, run: str, settings: BufferSettings, owns_client: bool) -> None:
+    def __init__(self, redis: Any, run: str, settings: BufferSettings, owns_client: bool,
+                 role: str = "client", timeline: bool = True) -> None:
         self.redis = redis
         self.run = run
         self.prefix = key_prefix(run)
         self.settings = settings
         self._owns = owns_client
         self._scripts = Scripts(redis)
-        self.clock = VersionClock(redis, run, self._scripts)
+        #: ``role@host:pid`` sent with every script call for the timeline ('' = not recorded)
+        self.origin = origin_of(role) if timeline else ""
+        self.clock = VersionClock(redis, run, self._scripts, origin=self.origin)
         # KEYS[1]: a key every role may write (Redis ACLs treat a script's declared keys as read-write)
         self._head = [self.prefix + "stats"]
-        self._argv = [self.prefix, SCHEMA_VERSION, *settings.lua_args()]
+        self._argv = [self.prefix, SCHEMA_VERSION, *settings.lua_args(), self.origin]
         self._appends = Coalescer(lambda *a: self._run("append", *a), _decode_append)
         self._scores = Coalescer(lambda *a: self._run("score", *a), _decode_score)
         self._claims = Coalescer(lambda *a: self._run("claim", *a), self._decode_claim, max_items=64)
@@ -118,7 +131,8 @@ class ReplayBuffer(BufferInspection, PassRateStore):
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     async def open(
-        cls, redis: Any, run: str, settings: BufferSettings | None = None, *, max_connections: int = 256
+        cls, redis: Any, run: str, settings: BufferSettings | None = None, *, max_connections: int = 256,
+        role: str = "client", timeline: bool = True,
     ) -> "ReplayBuffer":
         """Open (create on first use) the keyspace of ``run``.
 
@@ -129,6 +143,10 @@ class ReplayBuffer(BufferInspection, PassRateStore):
             settings: the knobs; stored on first open, must equal the stored ones afterwards;
                 None uses the stored ones (tools), or raises when the run does not exist.
             max_connections: pool size when a URL is given (peak concurrent calls).
+            role: this process's role (``rollout``, ``trainer``, ``feeder``, ``controller``...),
+                recorded with the host with every transition in the sample timelines.
+            timeline: record the timeline of every sample's life (docs/buffer.md#timeline); False
+                sends an empty origin and the scripts record nothing.
 
         Raises:
             SchemaMismatch: another schema version, or foreign keys under the prefix.
@@ -195,7 +213,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
             if owns:
                 await client.aclose()
             raise
-        return cls(client, run, stored_settings, owns)
+        return cls(client, run, stored_settings, owns, role=role, timeline=timeline)
 
     async def close(self) -> None:
         """Close the client if this buffer created it."""
@@ -535,6 +553,32 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         r = await self._run("recover", int(step), int(version), uri, checksum, self.clock.channel)
         keys = ("replayed_groups", "restarted_groups", "dropped_groups", "lineage", "revoked_leases")
         return {k: int(v) for k, v in zip(keys, r)}
+
+    # ------------------------------------------------------------------ timeline
+    async def export_timeline(self, trace_dir: Any, max_file_bytes: int | None = None, max_files: int | None = None) -> int:
+        """Move the timeline records waiting in Redis to the rotated files of ``trace_dir``.
+
+        Records reach the ``timeline`` list when groups are committed or dropped, batches committed,
+        versions published and the trainer recovers (docs/buffer.md#timeline). They are appended to
+        ``trace_dir`` (:class:`buffers.timeline.TimelineWriter`), fsynced, and only then removed from
+        Redis, so a crash in between exports a record twice (readers drop duplicates), never loses one.
+
+        Returns:
+            how many records were exported.
+        """
+        from buffers.timeline import TimelineWriter
+
+        key = self.prefix + "timeline"
+        writer = TimelineWriter(trace_dir, **{k: v for k, v in (("max_file_bytes", max_file_bytes),
+                                                              ("max_files", max_files)) if v is not None})
+        total = 0
+        while True:
+            raw = await self.redis.lrange(key, 0, 999)
+            if not raw:
+                return total
+            writer.write([_s(r) for r in raw])
+            await self.redis.ltrim(key, len(raw), -1)
+            total += len(raw)
 
     # ------------------------------------------------------------------ operations
     async def drain(self) -> int:

@@ -30,10 +30,13 @@ class VersionClock:
         redis: a ``redis.asyncio.Redis`` (``decode_responses=False``), shared with the buffer.
         run: run name (key prefix ``asyncrl:{<run>}:``).
         scripts: registered scripts (the buffer passes its own; None registers them).
+        origin: ``role@host`` of this process, recorded with each publish in the run's timeline
+            (docs/buffer.md#timeline); empty records nothing.
     """
 
-    def __init__(self, redis: Any, run: str, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Any, run: str, scripts: Scripts | None = None, origin: str = "") -> None:
         self.redis = redis
+        self.origin = origin  # 'role@host' recorded with each publish in the run's timeline ('' = none)
         self.run = run
         self.prefix = key_prefix(run)
         self.channel = self.prefix + "weights"
@@ -71,7 +74,7 @@ class VersionClock:
             "publish",
             [self.prefix + "stats"],
             [self.prefix, SCHEMA_VERSION, int(version), uri, checksum,
-             "" if expected_version is None else int(expected_version), self.channel],
+             "" if expected_version is None else int(expected_version), self.channel, self.origin],
         )
         return WeightAnnouncement(int(res[0]), uri, checksum, int(res[1]), int(res[2]))
 

@@ -155,7 +155,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
                         cfg.buffer.outage_seconds)
     try:  # Redis restarting when this server starts: wait it out, not a crash
         buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
-                                                         settings=BufferSettings.from_config(cfg)),
+                                                         settings=BufferSettings.from_config(cfg), role="rollout"),
                                "opening the run's buffer", give_up=stop.is_set)
     except DependencyOutage as exc:
         if runner is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ class BufferBatchSource:
         self._batch_id: str | None = None
         self.buffer_metrics: Any = None
         self._stop_seen: float | None = None  # when a wait first saw ``stop`` (the stop's one grace)
+        self.trace_dir: Any = None  # <run_dir>/trace: where export_timeline writes (set by open)
 
     @classmethod
     async def open(cls, cfg: Any, stop: threading.Event | None = None) -> "BufferBatchSource":
@@ -131,10 +133,13 @@ class BufferBatchSource:
 
         guard = OutageGuard("trainer", cfg.buffer.outage_seconds)
         buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
-                                                         settings=BufferSettings.from_config(cfg)),
+                                                         settings=BufferSettings.from_config(cfg), role="trainer"),
                                "opening the run's buffer")
         src = cls(buf, stop, outage_seconds=cfg.buffer.outage_seconds, batch_wait_seconds=cfg.trainer.batch_wait_seconds)
         src.guard = guard
+        src.trace_dir = Path(cfg.run.run_dir) / "trace"
+        # the recovery, publishes and dropped groups recorded before this start reach the files now
+        await src.export_timeline()
         return src
 
     async def next_batch(self, step: int) -> Any:
@@ -212,6 +217,20 @@ class BufferBatchSource:
         an outage, for at most :attr:`stop_outage_seconds` once stopping)."""
         await self.guard.call(lambda: self.buf.commit(step), f"committing step {step}",
                               give_up=self._give_up_when_stopping())
+        await self.export_timeline()
+
+    async def export_timeline(self) -> int:
+        """Move the timeline records the buffer holds (committed and dropped groups, batches, publishes,
+        recoveries) to ``<run_dir>/trace/`` (docs/buffer.md#timeline); best effort: a failure is one
+        WARNING line, the records stay in Redis for the next commit. Returns how many were exported."""
+        if self.trace_dir is None:
+            return 0
+        try:
+            return await self.buf.export_timeline(self.trace_dir)
+        except Exception as exc:  # noqa: BLE001 - the trace must never stop training
+            print(f"WARNING asyncrl trainer: exporting the sample timelines to {self.trace_dir} failed: {exc}",
+                  file=sys.stderr, flush=True)
+            return 0
 
     async def state_dict(self) -> dict[str, Any]:
         """``{"dataset_cursor": N}`` for the checkpoint (informational; retried like :meth:`commit`)."""

@@ -376,7 +376,8 @@ class Controller(ControllerEvaluation):
             return 1
         from buffers import BufferSettings, ReplayBuffer
 
-        self.buf = await ReplayBuffer.open(self.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg))
+        self.buf = await ReplayBuffer.open(self.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg),
+                                           role="controller")
         self.watcher = BufferWatcher(self.buf)
         self.progress.start()
         if self.resumed:

@@ -60,14 +60,15 @@ _ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     "controller": ("set", "subscribe", "unsubscribe", "unlink"),
     "feeder": ("set",),
     "rollout": ("subscribe", "unsubscribe"),
-    "trainer": ("set", "subscribe", "unsubscribe", "publish"),
+    "trainer": ("set", "subscribe", "unsubscribe", "publish", "ltrim"),  # ltrim: export_timeline
 }
 
 #: Keys (after the run prefix) the rollout user may write, and those it may only read.
 _ROLLOUT_WRITE = ("sample:*", "group:*", "fresh", "resumable", "parked", "unscored", "leases", "inflight",
                   "groups", "ready", "pending", "admitted", "seq", "pseq", "claimseq", "stats", "dropped",
                   "pass_rates",  # score.lua records a finished group's mean reward (the pass-rate filter)
-                  "prompt_history", "prompt_skips")  # and the selective-rollout streaks (score.lua, feed.lua)
+                  "prompt_history", "prompt_skips",  # and the selective-rollout streaks (score.lua, feed.lua)
+                  "timeline")  # a dropped group's timeline leaves Redis there (docs/buffer.md#timeline)
 _ROLLOUT_READ = ("schema", "settings", "version", "lineage", "weights:latest", "replay")
 #: Keys the feeder may write (feeding admits groups, as claiming does), and those it may only read.
 _FEEDER_WRITE = (*_ROLLOUT_WRITE, "schema", "settings", "cursor", "filter_epoch", "filtered_prompts",

@@ -216,7 +216,7 @@ async def _run(cfg: Any) -> int:
     guard = OutageGuard("feeder", cfg.buffer.outage_seconds)
     try:
         buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
-                                                         settings=BufferSettings.from_config(cfg)),
+                                                         settings=BufferSettings.from_config(cfg), role="feeder"),
                                "opening the run's buffer", give_up=stop.is_set)
     except DependencyOutage as exc:
         if stop.is_set():

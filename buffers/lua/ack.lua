@@ -2,7 +2,7 @@
 -- ARGV[12] batch id, ARGV[13] step. Returns 1 the first time, 0 for a repeat.
 local bid, step = ARGV[12], tonumber(ARGV[13])
 local bk = k('batch:' .. bid)
-local f = redis.call('HMGET', bk, 'groups', 'acked_step')
+local f = redis.call('HMGET', bk, 'groups', 'acked_step', 'version')
 if not f[1] then
   local committed = tonumber(redis.call('GET', k('committed_step')) or '-1')
   if redis.call('SISMEMBER', k('committed_batches'), bid) == 1 then return 0 end
@@ -21,6 +21,7 @@ redis.call('ZADD', k('acked_batches'), step, bid)
 local n = 0
 for gid in string.gmatch(f[1], '[^,]+') do
   redis.call('HSET', gkey(gid), 'state', 'acked', 'step', step)
+  tl(gkey(gid), 'ack', 'batch=' .. bid .. ' step=' .. step .. ' v=' .. tostring(f[3]))
   n = n + 1
 end
 if redis.call('GET', k('batch:open')) == bid then redis.call('DEL', k('batch:open')) end

@@ -111,6 +111,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
   state.writing = true
   if traj ~= nil then redis.call('HSET', sk, 'traj', traj) end
   local len = cur + nnew
+  if TL and nnew > 0 and cur == seg_start then tl(sk, 'gen', 'len=' .. cur) end  -- the segment's first tokens arrived
   if nnew > 0 then
     redis.call('HSET', sk, 'ids', ids .. cids, 'lps', lps .. clps, 'vers', vers .. cvers,
       'bver', bver, 'bused', bused, 'minv', minv, 'maxv', maxv, 'updated', NOW)
@@ -124,6 +125,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     if finish ~= 'stop' then finish = 'length' end
     close_segment(sk, f[11], seg_start, len, FINISH_CODE[finish])
     redis.call('HSET', sk, 'status', 'complete', 'finish', finish, 'completed', NOW, 'updated', NOW)
+    tl(sk, 'complete', 'reason=' .. finish .. ' len=' .. len)
     redis.call('ZADD', k('leases'), NOW + LEASE_MS, sid)
     stat('completed_samples')
     return ok(len, 'complete')
@@ -133,6 +135,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     close_segment(sk, f[11], seg_start, len, FINISH_CODE.turn)
     redis.call('HSET', sk, 'seg_start', len, 'updated', NOW)
     redis.call('ZADD', k('leases'), 'XX', NOW + LEASE_MS, sid)
+    tl(sk, 'turn', 'len=' .. len)
     stat('episode_turns')
     return ok(len, 'running')
   end
@@ -141,6 +144,7 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     redis.call('HSET', sk, 'status', 'partial', 'finish', 'budget', 'claim', '', 'updated', NOW)
     redis.call('ZREM', k('leases'), sid)
     redis.call('ZADD', k('parked'), bver, sid)
+    tl(sk, 'park', 'reason=budget len=' .. len .. ' v=' .. bver)
     stat('parked_budget')
     return ok(len, 'partial')
   end
@@ -153,10 +157,12 @@ local function one(sid, token, offset, cids, clps, cvers, finish)
     local seq = tonumber(redis.call('HGET', gk, 'seq') or '0')
     redis.call('HSET', sk, 'status', 'pending', 'claim', '', 'updated', NOW)
     redis.call('ZADD', k('fresh'), seq * 2048 + tonumber(redis.call('HGET', sk, 'idx')), sid)
+    tl(sk, 'requeue', 'reason=abort len=0')
     return ok(len, 'pending')
   end
   redis.call('HSET', sk, 'status', 'partial', 'finish', 'abort', 'claim', '', 'updated', NOW)
   make_resumable(sid, minv)
+  tl(sk, 'park', 'reason=abort len=' .. len)
   return ok(len, 'partial')
 end
 local out = {}

@@ -17,6 +17,7 @@ local promote = redis.call('ZRANGEBYSCORE', k('parked'), '-inf', '(' .. v)
 for _, sid in ipairs(promote) do
   redis.call('ZREM', k('parked'), sid)
   make_resumable(sid, tonumber(redis.call('HGET', skey(sid), 'minv')))
+  tl(skey(sid), 'promote', 'v=' .. v)
 end
 -- 3. admission control
 admit()
@@ -55,6 +56,12 @@ local function take(sid, kind, from, idle)
   redis.call('ZADD', k('leases'), NOW + LEASE_MS, sid)
   local max_new = math.min(M - used, L - len)
   if max_new < 0 then max_new = 0 end
+  if TL then
+    local ev = 'claim'
+    if kind == 'score' then ev = 'claim_score' elseif len > 0 then ev = 'resume' end
+    tl(sk, ev, 'w=' .. string.gsub(worker, '%s', '_') .. ' v=' .. v .. ' len=' .. len .. ' max_new=' .. max_new
+      .. ' from=' .. from .. (idle and ' idle=1' or ''))
+  end
   out[#out + 1] = {kind, sid, f[1], f[2], token, g[1], f[3], g[2] or '{}', max_new, used, v, lin, resumes}
   return nil
 end
@@ -89,6 +96,7 @@ while #out < maxn and guard < 10000 do
         redis.call('ZREM', k('resumable'), sid)
         redis.call('ZADD', k('parked'), v, sid)
         redis.call('HSET', skey(sid), 'finish', 'budget')
+        tl(skey(sid), 'park', 'reason=budget v=' .. v)
       elseif stale_ok(sid) then
         e = take(sid, 'generate', 'resumable', false)
       end

@@ -31,6 +31,7 @@ for j = 0, count - 1 do
   redis.call('HSET', gkey(ARGV[b]), 'gid', ARGV[b], 'prompt', ARGV[b + 1], 'meta', ARGV[b + 2], 'n', ARGV[b + 3],
     'state', 'pending', 'feed_index', start + j, 'seq', 0, 'created', NOW)
   redis.call('RPUSH', k('pending'), ARGV[b])
+  tl(gkey(ARGV[b]), 'fed', 'cursor=' .. (start + j))
 end
 redis.call('SET', k('cursor'), start + count + skip + npred)
 stat('fed', count)

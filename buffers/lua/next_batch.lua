@@ -54,6 +54,7 @@ redis.call('HSET', k('batch:' .. bid), 'groups', table.concat(chosen, ','), 'ste
 redis.call('SET', k('batch:open'), bid)
 for _, gid in ipairs(chosen) do
   redis.call('HSET', gkey(gid), 'state', 'batched', 'batch', bid)
+  tl(gkey(gid), 'batch', 'batch=' .. bid .. ' step=' .. step .. ' v=' .. v)
   redis.call('ZREM', k('ready'), gid)
   redis.call('LREM', k('replay'), 0, gid)
   redis.call('ZREM', k('inflight'), gid)

@@ -31,6 +31,7 @@ for _, bid in ipairs(bids) do
   for gid in string.gmatch(gids, '[^,]+') do
     replay[#replay + 1] = gid
     redis.call('HSET', gkey(gid), 'state', 'ready', 'batch', '', 'step', '')
+    tl(gkey(gid), 'replay', 'step=' .. step)
     redis.call('ZADD', k('inflight'), tonumber(redis.call('HGET', gkey(gid), 'seq')), gid)
   end
   redis.call('DEL', k('batch:' .. bid))
@@ -98,5 +99,7 @@ for _, sid in ipairs(redis.call('ZRANGE', k('resumable'), 0, -1)) do
   local sk = skey(sid)
   if tonumber(redis.call('HGET', sk, 'bver') or '-1') > version then redis.call('HSET', sk, 'bver', -1, 'bused', 0) end
 end
+tl_out({kind = 'recover', t = NOW, origin = ORIGIN, step = step, version = version, from_version = cur,
+  lineage = lin, replayed = #replay, revoked = #leased})
 admit()
 return {#replay, restarted, dropped, lin, #leased}

@@ -102,11 +102,13 @@ local function finish_group(gid, gk, n, ns, seq)
   if keep < #scored then
     for j = keep + 1, #scored do
       redis.call('HSET', skey(scored[j].sid), 'status', 'discarded', 'updated', NOW)
+      tl(skey(scored[j].sid), 'discard', 'reason=best_of_n')
     end
     redis.call('HSET', gk, 'n_scored', keep, 'n_discarded', #scored - keep)
     stat('discarded_best_of_n', #scored - keep)
   end
   redis.call('HSET', gk, 'state', 'ready', 'ready_ms', NOW)
+  tl(gk, 'ready')
   redis.call('ZADD', k('ready'), seq, gid)
   stat('ready_groups')
   return 'ready'
@@ -141,10 +143,12 @@ local function one(sid, token, kind, value, advk, adv, info)
   state.writing = true
   if kind == 'reward' then
     redis.call('HSET', sk, 'status', 'scored', 'reward', value, 'claim', '', 'updated', NOW)
+    tl(sk, 'score', 'reward=' .. value)
     ns = ns + 1
     stat('scored_samples')
   else
     redis.call('HSET', sk, 'status', 'failed', 'error', value, 'claim', '', 'updated', NOW)
+    tl(sk, 'fail', 'error=' .. (string.match(value, '^(%w+):') or 'error'))
     nf = nf + 1
     stat('failed_samples')
     -- by reason: a user reward function that timed out (asyncrl.tasks.rewards.RewardTimeout) or any other failure

@@ -8,6 +8,64 @@ local ETA = tonumber(ARGV[8])        -- max_staleness
 local POLICY = ARGV[9]               -- stale policy: restart | drop | keep
 local LEASE_MS = tonumber(ARGV[10])  -- lease of a claim, milliseconds
 local BPV = tonumber(ARGV[11])       -- train batches per published version (weight_sync.interval)
+-- The timeline of a sample's life (docs/buffer.md#timeline): ARGV[12] is the caller's origin,
+-- 'role@host' ('' records nothing). It is taken out of ARGV here, so every script body reads its
+-- own arguments from ARGV[12] on as before (the local shadows the global for the rest of the chunk).
+local ORIGIN = ARGV[12] or ''
+local TL = ORIGIN ~= ''
+local ARGV = (function(a)
+  local t = {}
+  for i = 1, #a do if i ~= 12 then t[#t + 1] = a[i] end end
+  return t
+end)(ARGV)
+-- records kept per sample or group: a timeline past TL_MAX bytes keeps its first events and counts the rest
+local TL_MAX = 16384
+-- Append one event `<name> <server time ms> <origin>[ <key=value ...>]` to the timeline of the sample or
+-- group whose hash is `key`: the string `<key>|tl` ('|' is in no group or sample id, so it never names
+-- another hash; APPEND costs the new line only, in memory and in the AOF). The time is the script's NOW
+-- (Redis TIME, server clock): no round trip.
+local function tl(key, ev, extra)
+  if not TL then return end
+  local tk = key .. '|tl'
+  local line = ev .. ' ' .. NOW .. ' ' .. ORIGIN .. (extra and (' ' .. extra) or '') .. '\n'
+  local n = redis.call('APPEND', tk, line)  -- one call on the common path
+  if n > TL_MAX then  -- past the cap: take the line back (rare: a very long episode)
+    local prev = n - #line
+    if prev > 0 then redis.call('SET', tk, redis.call('GETRANGE', tk, 0, prev - 1)) else redis.call('DEL', tk) end
+    stat('timeline_events_truncated')
+  end
+end
+-- Records leave Redis through the list `timeline` (committed and dropped groups, batches, publishes,
+-- recoveries); the trainer exports it to <run_dir>/trace/ after each commit. Bounded: past TL_OUT_MAX
+-- records the oldest are dropped and counted (timeline_records_dropped).
+local TL_OUT_MAX = 100000
+local function tl_out(record)
+  if not TL then return end
+  local n = redis.call('RPUSH', k('timeline'), cjson.encode(record))
+  if n > TL_OUT_MAX then
+    redis.call('LTRIM', k('timeline'), n - TL_OUT_MAX, -1)
+    stat('timeline_records_dropped', n - TL_OUT_MAX)
+  end
+end
+-- The record of a group leaving Redis (committed or dropped): its timeline and its samples'.
+local function tl_group_record(gid, how, extra)
+  if not TL then return end
+  local gk = k('group:' .. gid)
+  local g = redis.call('HMGET', gk, 'n', 'batch', 'step', 'feed_index')
+  local samples = {}
+  for i = 0, (tonumber(g[1]) or 0) - 1 do
+    local sk = k('sample:' .. gid .. '/' .. i)
+    local f = redis.call('HMGET', sk, 'status', 'minv', 'maxv', 'reward', 'finish', 'resumes', 'restarts')
+    samples[#samples + 1] = {i = i, tl = redis.call('GET', sk .. '|tl') or '', status = f[1] or '',
+      minv = tonumber(f[2] or '-1'), maxv = tonumber(f[3] or '-1'), reward = tonumber(f[4] or ''),
+      tokens = redis.call('HSTRLEN', sk, 'ids') / 4, finish = f[5] or '', resumes = tonumber(f[6] or '0'),
+      restarts = tonumber(f[7] or '0')}
+  end
+  local rec = {kind = 'group', gid = gid, how = how, t = NOW, origin = ORIGIN, tl = redis.call('GET', gk .. '|tl') or '',
+    batch = g[2] or '', step = tonumber(g[3] or ''), feed_index = tonumber(g[4] or ''), samples = samples}
+  for key, val in pairs(extra or {}) do rec[key] = val end
+  tl_out(rec)
+end
 -- turn: a model call of an episode ended, the episode goes on; obs: environment tokens of an episode
 -- ctx: the prompt of an episode's further trajectory (docs/agents.md). A segment's stored code is
 -- FINISH_CODE + 16 * the trajectory it belongs to (the sample's `traj` field when it closed).
@@ -37,6 +95,7 @@ local function admit()
     local seq = redis.call('INCR', k('seq'))
     redis.call('HSET', gk, 'state', 'generating', 'seq', seq, 'admit_version', v, 'admitted_ms', NOW,
       'n_scored', 0, 'n_failed', 0)
+    tl(gk, 'admit', 'v=' .. v)
     for i = 0, n - 1 do
       local sid = gid .. '/' .. i
       redis.call('HSET', skey(sid), 'sid', sid, 'gid', gid, 'idx', i, 'status', 'pending',
@@ -85,6 +144,7 @@ local function reset_sample(sid, reason)
     'restarts', tonumber(f[4] or '0') + 1, 'updated', NOW, 'completed', 0)
   local seq = tonumber(redis.call('HGET', gk, 'seq') or '0')
   redis.call('ZADD', k('fresh'), seq * 2048 + tonumber(f[3]), sid)
+  tl(sk, 'restart', 'reason=' .. reason)
   stat('restarted_samples:' .. reason)
 end
 
@@ -97,6 +157,7 @@ local function restart_group(gid, reason)
   redis.call('ZREM', k('ready'), gid)
   redis.call('LREM', k('replay'), 0, gid)
   redis.call('ZADD', k('inflight'), tonumber(redis.call('HGET', gk, 'seq') or '0'), gid)
+  tl(gk, 'restart', 'reason=' .. reason)
   stat('restarted_groups:' .. reason)
 end
 
@@ -105,12 +166,16 @@ local function drop_group(gid, reason)
   local gk = gkey(gid)
   local n = tonumber(redis.call('HGET', gk, 'n') or '0')
   local was_ready = redis.call('HGET', gk, 'state') == 'ready'  -- only READY groups wait in `replay`
+  if TL then
+    tl(gk, 'drop', 'reason=' .. reason)
+    tl_group_record(gid, 'dropped', {reason = reason})
+  end
   for i = 0, n - 1 do
     local sid = gid .. '/' .. i
     unqueue(sid)
-    redis.call('DEL', skey(sid))
+    redis.call('DEL', skey(sid), skey(sid) .. '|tl')
   end
-  redis.call('DEL', gk)
+  redis.call('DEL', gk, gk .. '|tl')
   redis.call('ZREM', k('inflight'), gid)
   redis.call('ZREM', k('ready'), gid)
   redis.call('ZREM', k('groups'), gid)
@@ -141,14 +206,17 @@ local function release_running(sid)
       local seq = tonumber(redis.call('HGET', gk, 'seq') or '0')
       redis.call('HSET', sk, 'status', 'pending', 'claim', '', 'updated', NOW)
       redis.call('ZADD', k('fresh'), seq * 2048 + tonumber(redis.call('HGET', sk, 'idx')), sid)
+      tl(sk, 'requeue', 'reason=lease len=0')
     else
       redis.call('HSET', sk, 'status', 'partial', 'finish', 'abort', 'claim', '', 'updated', NOW)
       make_resumable(sid, tonumber(f[5]))
+      tl(sk, 'park', 'reason=lease len=' .. len)
     end
   elseif f[1] == 'complete' then
     redis.call('ZREM', k('leases'), sid)
     redis.call('HSET', sk, 'claim', '', 'updated', NOW)
     redis.call('ZADD', k('unscored'), NOW, sid)
+    tl(sk, 'unscored', 'reason=lease')
   else
     redis.call('ZREM', k('leases'), sid)
   end
