@@ -84,7 +84,7 @@ async def run(rounds: int, groups: int, export: bool = True) -> dict:
     """Alternate rounds on a recording and a non-recording run; returns the timings and their ratio."""
     with tempfile.TemporaryDirectory() as d, RedisServer(Path(d) / "redis") as server:
         kw = dict(rollout_batch_size=groups, train_batch_groups=groups, n_samples_per_prompt=N,
-                  max_budget_tokens=BUDGET, max_response_len=LEN, max_staleness=1000, lease_seconds=60.0)
+                  max_budget=BUDGET, max_response_len=LEN, max_staleness=1000, lease_seconds=60.0)
         on = await ReplayBuffer.open(server.url, "on", BufferSettings(**kw), role="bench", timeline=True)
         off = await ReplayBuffer.open(server.url, "off", BufferSettings(**kw), role="bench", timeline=False)
         times: dict[str, list[float]] = {"on": [], "off": []}

@@ -250,7 +250,7 @@ async def test_partial_rollout_resumes_under_the_adapter_and_a_bad_adapter_is_no
     from tests.test_rollout_worker import TEMPERATURE, _feed, _prompt, _ready, _run_until, _settings, _worker
 
     server = server_a  # the base model (models["dir0"]) at version 0
-    settings = _settings(n_samples_per_prompt=2, max_budget_tokens=4, max_response_len=12, flush_tokens=2)
+    settings = _settings(n_samples_per_prompt=2, max_budget=4, max_response_len=12, flush_tokens=2)
     try:
         async with await ReplayBuffer.open(redis_url, "lora", settings) as buf:
             prompt = _prompt(tokenizer, "count to ten")

@@ -16,7 +16,7 @@ from buffers.timeline import TimelineWriter, read_records, trace_files
 
 
 def _settings(**kw) -> BufferSettings:
-    base = dict(rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=2, max_budget_tokens=4,
+    base = dict(rollout_batch_size=2, train_batch_groups=1, n_samples_per_prompt=2, max_budget=4,
                 max_response_len=16, max_staleness=1, stale_policy="restart", lease_seconds=0.4)
     base.update(kw)
     return BufferSettings(**base)
@@ -234,7 +234,7 @@ async def test_cli_writes_json_and_png(redis_url, tmp_path):
 async def test_a_timeline_stops_growing_at_its_cap(redis_url):
     import redis.asyncio as aioredis
 
-    buf = await ReplayBuffer.open(redis_url, "cap", _settings(max_budget_tokens=100, max_response_len=400, n_samples_per_prompt=1),
+    buf = await ReplayBuffer.open(redis_url, "cap", _settings(max_budget=100, max_response_len=400, n_samples_per_prompt=1),
                                   role="rollout")
     r = aioredis.Redis.from_url(redis_url)
     try:
