@@ -3,7 +3,7 @@
 It speaks SGLang's native API (https://docs.sglang.io/basic_usage/native_api.html; the subset
 asyncrl uses is in docs/rollout.md): ``/generate`` (plain or streamed),
 ``/abort_request``, ``/pause_generation`` / ``/continue_generation``, the weight-update
-endpoints, info, loads and health.
+endpoints, ``/load_lora_adapter`` / ``/unload_lora_adapter``, info, loads and health.
 
 Streaming: SGLang sends cumulative chunks by default and deltas with
 ``--incremental-streaming-output`` (2025 builds with ``--stream-output`` send delta ids but
@@ -345,6 +345,25 @@ class EngineClient:
         body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
         return await self._weights_call("/update_weight_version", body, self.timeout_seconds)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = 600.0) -> dict:
+        """``/load_lora_adapter``: register the PEFT adapter in directory ``lora_path`` as ``lora_name``.
+
+        Returns SGLang's answer (``loaded_adapters``: name -> path of every registered adapter).
+
+        Raises:
+            EngineError: ``success`` false (unreadable adapter, name taken, LoRA not enabled, ...).
+        """
+        body = {"lora_name": str(lora_name), "lora_path": str(lora_path)}
+        return await self._weights_call("/load_lora_adapter", body, timeout)
+
+    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = 600.0) -> dict:
+        """``/unload_lora_adapter``: forget ``lora_name`` (SGLang waits for the requests running under it).
+
+        Raises:
+            EngineError: ``success`` false (no adapter of that name is loaded).
+        """
+        return await self._weights_call("/unload_lora_adapter", {"lora_name": str(lora_name)}, timeout)
+
     async def _weights_call(self, path: str, body: dict, timeout: float | None) -> dict:
         status, data = await self._request("POST", path, body, timeout)
         if status != 200 or not isinstance(data, dict) or not data.get("success", False):
@@ -361,6 +380,8 @@ def _message(data: Any) -> str:
             return str(err)
         if "message" in data:
             return str(data["message"])
+        if data.get("error_message"):  # SGLang's LoRAUpdateOutput
+            return str(data["error_message"])
     return str(data)
 
 

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable
 from rollout_server.engine_outputs import EngineOutputs, eos_ids
 from rollout_server.engine_prefill import EnginePrefill
 from rollout_server.engine_sample import EngineGroup, EngineSample, abort_reason
+from rollout_server.engine_lora import EngineLora
 from rollout_server.engine_weights import DEFERRED, EngineWeights
 from rollout_server.kv_cache import KVCacheSlots
 from rollout_server.sampling import RequestError
@@ -73,7 +74,7 @@ class _Item:
         return bool(self.samples) and self.samples[0].big
 
 
-class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
+class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutputs):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
@@ -93,6 +94,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
             hold at most ``max_batch_size - reserve_rows`` rows together, so a small request
             never waits for a big one to finish; big requests are admitted in arrival order, and
             small ones never take the rows the oldest waiting big one needs (no starvation).
+        max_loaded_loras: most named LoRA adapters registered at once (``/load_lora_adapter``;
+            rollout_server/engine_lora.py; SGLang's ``--max-loaded-loras``).
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         threads: int | None = None,
         on_update: Callable[[list[EngineSample]], None] | None = None,
         reserve_rows: int | None = None,
+        max_loaded_loras: int = 8,
     ):
         import torch
 
@@ -141,6 +145,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         self._pending_updates: list[tuple[dict, str | None, Future, dict | None]] = []
         self.lora_adapter: dict | None = None  # the merged LoRA adapter (engine_weights.py), None: none
         self._lora_base: dict | None = None  # base values of the tensors an adapter was merged into
+        self._init_lora(max_loaded_loras)  # named adapters applied per request (engine_lora.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._live: dict[str, EngineSample] = {}  # rid -> sample (waiting or running)
@@ -202,6 +207,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
 
         Commands: ``pause(mode)``, ``resume()``, ``update_weights(state_dict, version,
         abort_all)``, ``update_adapter(adapter_state, adapter_config, checksum, version, abort_all)``,
+        ``load_lora(name, path, adapter_state, adapter_config, checksum)``, ``unload_lora(name)``,
         ``flush_cache()``, ``set_version(version)``.
         """
         fut: Future = Future()
@@ -303,6 +309,15 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
             kind = msg[0]
             if kind == "submit":  # one submit = one request: big when it has more samples than the reserve
                 big = sum(len(g.samples) for g in msg[1]) > self.reserve_rows
+                gone = self._resolve_adapters([s for g in msg[1] for s in g.samples])
+                if gone:  # its adapter was unloaded after the HTTP layer checked the name: the whole request fails
+                    for g in msg[1]:
+                        for s in g.samples:
+                            self._finish(s, {"type": "abort", "status_code": 400, "err_type": "BadRequest",
+                                             "message": f"LoRA adapter {gone[0].lora_name!r} is not loaded (unloaded "
+                                                        "while the request arrived)"})
+                    self._publish([])
+                    continue
                 for g in msg[1]:
                     for s in g.samples:
                         self._live[s.rid] = s
@@ -438,7 +453,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineOutputs):
         col = self._length
         self._mask[:B, col] = True
         mask4 = self._mask[:B, None, None, : col + 1]
-        out = self.model(
+        out = self._forward_with_adapters(
+            [r.sample.adapter if r is not None else None for r in self._rows],
             input_ids=self._next[:B, None],
             attention_mask=mask4,
             position_ids=self._pos[:B, None],

@@ -128,7 +128,8 @@ class EnginePrefill:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        out = self.model(
+        out = self._forward_with_adapters(  # the samples of an item share one request, so one adapter
+            [it.samples[0].adapter if it.samples else None for it in items],
             input_ids=ids,
             attention_mask=mask4[:, None],
             position_ids=pos,

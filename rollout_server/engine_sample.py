@@ -57,6 +57,10 @@ class EngineSample:
     #: engine-private: the sample belongs to a request of more samples than the fair reserve
     #: (:attr:`Engine.reserve_rows`); such requests share at most ``max_batch_size - reserve_rows`` rows
     big: bool = False
+    #: the named LoRA adapter the request asked for (``lora_path``; rollout_server/engine_lora.py), None: the base
+    lora_name: str | None = None
+    #: engine-private: that adapter, bound at submission (kept to the sample's end, even if unloaded meanwhile)
+    adapter: Any = None
     # engine-private
     _stop_scan_from: int = 0
     _stop_text_len: int = 0

@@ -8,7 +8,9 @@ the running batch drains (SGLang's writer lock) or at once when the engine is id
 
 LoRA (``trainer.lora``): an adapter-only version is merged into a copy of the base weights
 (``update_adapter``; docs/trainer.md#lora): the merged model decodes at the base model's speed,
-and the engine reports the adapter it holds (``lora_adapter``: its checksum and version).
+and the engine reports the adapter it holds (``lora_adapter``: its checksum and version). Named
+adapters applied per request (SGLang's ``/load_lora_adapter``) are :mod:`rollout_server.engine_lora`;
+both check an adapter with :meth:`EngineWeights._parse_adapter`.
 """
 
 from __future__ import annotations
@@ -75,20 +77,48 @@ class EngineWeights:
     def _merge_adapter(self, adapter: dict, config: dict) -> tuple[dict, dict, dict]:
         """Check a PEFT LoRA adapter against the model and compute its merged weights (nothing applied).
 
+        Args: as :meth:`_parse_adapter`.
+
+        Returns:
+            ``(merged {"<module>.weight": tensor}, base {name: base tensor}, info)``.
+
+        Raises:
+            RequestError: :meth:`_parse_adapter`'s reasons, or named adapters are loaded
+                (``/load_lora_adapter``: a merge under them would compound; engine_lora.py).
+        """
+        torch = self.torch
+        if getattr(self, "named_adapters", None):
+            raise RequestError(f"named LoRA adapters are loaded ({sorted(self.named_adapters)}): a merged adapter would "
+                               "apply under them; unload them first (/unload_lora_adapter)")
+        pairs, r, scaling = self._parse_adapter(adapter, config)
+        params = self._named_tensors()
+        merged, base = {}, dict(self._lora_base or {})
+        for module, (a, b) in sorted(pairs.items()):
+            target = module + ".weight"
+            w = params[target]
+            if target not in base:
+                base[target] = w.detach().clone()
+            delta = (b.detach().to("cpu", torch.float32) @ a.detach().to("cpu", torch.float32)) * scaling
+            merged[target] = (base[target].to(torch.float32) + delta).to(w.dtype)
+        return merged, base, {"modules": len(merged), "rank": r, "scaling": scaling}
+
+    def _parse_adapter(self, adapter: dict, config: dict) -> tuple[dict, int, float]:
+        """Check a PEFT LoRA adapter against the model: its ``(A, B)`` pair per targeted module.
+
         Args:
             adapter: ``get_peft_model_state_dict`` tensors: ``base_model.model.<module>.lora_A.weight``
                 (r, in_features) and ``...lora_B.weight`` (out_features, r) per targeted ``nn.Linear``.
             config: PEFT's ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``).
 
         Returns:
-            ``(merged {"<module>.weight": tensor}, base {name: base tensor}, info)``.
+            ``({module: (A, B)}, r, scaling)`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with
+            ``use_rslora``; PEFT's ``LoraLayer``); the tensors as given.
 
         Raises:
-            RequestError: not a LoRA adapter, an option this merge does not implement (DoRA,
+            RequestError: not a LoRA adapter, an option this engine does not implement (DoRA,
                 fan_in_fan_out, rank/alpha patterns, biases, modules_to_save), an empty adapter,
                 an A without its B, a module the model lacks, or shapes that do not fit.
         """
-        torch = self.torch
         if str(config.get("peft_type", "")).upper() != "LORA":
             raise RequestError(f"adapter_config.json has peft_type {config.get('peft_type')!r}; only LORA adapters load")
         unsupported = [k for k in ("use_dora", "fan_in_fan_out", "lora_bias") if config.get(k)]
@@ -96,7 +126,7 @@ class EngineWeights:
         unsupported += ["modules_to_save"] if config.get("modules_to_save") else []
         unsupported += [f"bias={config.get('bias')!r}"] if config.get("bias", "none") != "none" else []
         if unsupported:
-            raise RequestError(f"the embedded engine's LoRA merge does not implement {', '.join(unsupported)}")
+            raise RequestError(f"the embedded engine's LoRA support does not implement {', '.join(unsupported)}")
         r, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", 0))
         if r <= 0:
             raise RequestError(f"adapter_config.json has r={config.get('r')!r}; expected a positive rank")
@@ -115,7 +145,7 @@ class EngineWeights:
                 raise RequestError(f"adapter tensor {name!r} is not a LoRA A/B weight of a linear module "
                                    f"({prefix}<module>.lora_A.weight / .lora_B.weight)")
         params = self._named_tensors()
-        merged, base = {}, dict(self._lora_base or {})
+        out: dict[str, tuple] = {}
         for module, ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:
                 raise RequestError(f"adapter module {module!r} has lora_{next(iter(ab))} without its pair")
@@ -128,11 +158,10 @@ class EngineWeights:
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r or (b.shape[0], a.shape[1]) != tuple(w.shape):
                 raise RequestError(f"adapter {module!r}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit rank {r} "
                                    f"and weight {tuple(w.shape)}")
-            if target not in base:
-                base[target] = w.detach().clone()
-            delta = (b.detach().to("cpu", torch.float32) @ a.detach().to("cpu", torch.float32)) * scaling
-            merged[target] = (base[target].to(torch.float32) + delta).to(w.dtype)
-        return merged, base, {"modules": len(merged), "rank": r, "scaling": scaling}
+            if not (a.is_floating_point() and b.is_floating_point()):
+                raise RequestError(f"adapter {module!r}: A and B must be floating point tensors")
+            out[module] = (a, b)
+        return out, r, scaling
 
     def _apply_pending_updates(self) -> None:
         if not self._pending_updates:

@@ -25,7 +25,14 @@ from rollout_server.engine import Engine
 from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.limits import BodyError, BodyReader
 from rollout_server.sampling import RequestError, SamplingParams
-from rollout_server.schemas import GenerateBody, SamplingParamsBody, parse_body, parse_json, validate_body
+from rollout_server.schemas import (
+    MAX_LORA_NAME_CHARS,
+    GenerateBody,
+    SamplingParamsBody,
+    parse_body,
+    parse_json,
+    validate_body,
+)
 
 __all__ = [
     "GENERATE_KEYS",
@@ -117,6 +124,10 @@ class GenerateLimits:
     max_request_cost: int = 1 << 20
 
 
+#: an error naming the loaded adapters lists at most this many
+MAX_NAMED_ADAPTERS = 16
+
+
 def _validate_generate(raw: bytes, vocab_size: int, max_top: int) -> GenerateBody:
     return validate_body(GenerateBody, parse_json(raw), what="/generate request",
                          context={"vocab_size": vocab_size, "max_top_logprobs_num": max_top})
@@ -179,6 +190,13 @@ async def parse_generate(raw: bytes, eng: Engine, tokenizer: Any, reader: BodyRe
             raise RequestError(f"sampling_params.n={p.n} exceeds {eng.max_request_rows}, the most samples one request "
                                f"may have on this server (max_running_requests {eng.max_batch_size} less the "
                                f"{eng.reserve_rows} rows kept for other requests, --fair-reserve-rows)")
+    names = req.lora_names(nb)
+    unknown = sorted({n for n in names if n is not None and n not in eng.named_adapters})
+    if unknown:  # SGLang's words (its LoRARegistry.acquire), also a 400 there
+        loaded = sorted(eng.named_adapters)[:MAX_NAMED_ADAPTERS]
+        raise RequestError(f"The following requested LoRA adapters are not loaded: {unknown[0][:MAX_LORA_NAME_CHARS]}"
+                           f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; loaded adapters: {loaded}"
+                           " (/load_lora_adapter registers one)")
     total = sum(p.n for p in params)
     cost = request_cost(params, rl, tln)
     if cost > limits.max_request_cost:
@@ -207,7 +225,7 @@ async def parse_generate(raw: bytes, eng: Engine, tokenizer: Any, reader: BodyRe
         for _ in range(p.n):
             s = EngineSample(
                 rid=rids[k], prompt_ids=list(prompt), params=p, return_logprob=bool(rl[i]),
-                top_logprobs_num=tln if rl[i] else 0, logprob_start_len=lsl, index=k,
+                top_logprobs_num=tln if rl[i] else 0, logprob_start_len=lsl, index=k, lora_name=names[i],
             )
             k += 1
             group.append(s)
@@ -275,6 +293,8 @@ def response_object(
         "cached_tokens": s.cached_tokens,
         "weight_versions": version_spans(s.version_starts, n),
     }
+    if s.adapter is not None:  # asyncrl's: the named adapter that generated these tokens (engine_lora.py)
+        meta["lora_path"] = s.adapter.name
     if final:
         meta["e2e_latency"] = (s.finished_time or time.time()) - s.created_time
     if s.return_logprob:

@@ -53,6 +53,9 @@ __all__ = [
     "DestroyGroupBody",
     "GenerateBody",
     "InitGroupBody",
+    "LoadLoraAdapterBody",
+    "UnloadLoraAdapterBody",
+    "MAX_LORA_NAME_CHARS",
     "PauseBody",
     "SamplingParamsBody",
     "UpdateFromDiskBody",
@@ -88,6 +91,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_ID_CHARS = 1024
 #: ``model_path``, ``master_address``: at most this many characters
 MAX_PATH_CHARS = 4096
+#: a LoRA adapter's name (``lora_name``, ``lora_path`` of ``/generate``): at most this many characters
+MAX_LORA_NAME_CHARS = 256
 #: tensors of one weight update, and dimensions of one tensor
 MAX_TENSORS = 1_000_000
 MAX_TENSOR_DIMS = 8
@@ -255,10 +260,12 @@ class SamplingParamsBody(_Strict):
 
 
 #: fields of SGLang's ``GenerateReqInput`` that the embedded engine refuses (400) when they are set
-#: (``lora_path`` too: the embedded engine holds at most one LoRA adapter, merged into its weights by
-#: ``/update_weights_from_disk`` of an adapter-only version, not one per request; docs/trainer.md#lora)
-UNSUPPORTED_IF_SET = ("input_embeds", "lora_path", "custom_logit_processor", "image_data", "video_data",
+#: (``lora_path`` is accepted: the name of an adapter registered by ``/load_lora_adapter``,
+#: applied to this request only; rollout_server/engine_lora.py)
+UNSUPPORTED_IF_SET = ("input_embeds", "custom_logit_processor", "image_data", "video_data",
                       "audio_data", "session_params", "token_ids_logprob")
+
+LoraName = Annotated[str, Field(min_length=1, max_length=MAX_LORA_NAME_CHARS, pattern=r"^\S+$")]
 
 
 class GenerateBody(_Strict):
@@ -281,9 +288,11 @@ class GenerateBody(_Strict):
     logprob_start_len: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = -1
     top_logprobs_num: Count = 0
     stream: bool = False
+    lora_path: Optional[_one_or_list(Optional[LoraName])] = None
+    """SGLang's: the name of a loaded LoRA adapter (``/load_lora_adapter``) for the request, or one
+    per prompt of a batch (null: the base model); an unknown name is a 400."""
     # refused when set
     input_embeds: Any = None
-    lora_path: Any = None
     custom_logit_processor: Any = None
     image_data: Any = None
     video_data: Any = None
@@ -343,6 +352,19 @@ class GenerateBody(_Strict):
         if self.input_ids is not None and (not self.input_ids or any(p == [] for p in self.input_ids if isinstance(p, list))):
             raise _error("input_ids cannot be empty.")
         return self
+
+    def lora_names(self, nb: int) -> list[Optional[str]]:
+        """The adapter name of each of the ``nb`` prompts (None: the base model).
+
+        Raises:
+            RequestError: a list of ``lora_path`` whose length is not the batch's.
+        """
+        v = self.lora_path
+        if isinstance(v, list):
+            if len(v) != nb:
+                raise RequestError(f"lora_path has {len(v)} entries for a batch of {nb}")
+            return list(v)
+        return [v] * nb
 
     def prompts(self) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
         """``(texts, input_ids, is_batch)``: the prompts as lists (one of them None)."""
@@ -438,6 +460,23 @@ class UpdateFromDistributedBody(_WeightUpdate):
         if (self.lora_config is None) != (self.lora_checksum is None):
             raise _error("lora_config and lora_checksum go together (an adapter broadcast names its checksum)")
         return self
+
+
+class LoadLoraAdapterBody(_Strict):
+    """``/load_lora_adapter`` (SGLang's ``LoadLoRAAdapterReqInput``): register the PEFT adapter in
+    directory ``lora_path`` under ``lora_name``; ``pinned`` and ``lora_id`` are SGLang's, ignored."""
+
+    lora_name: LoraName
+    lora_path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
+    pinned: bool = False
+    lora_id: Optional[Id] = None
+
+
+class UnloadLoraAdapterBody(_Strict):
+    """``/unload_lora_adapter`` (SGLang's ``UnloadLoRAAdapterReqInput``); ``lora_id`` is SGLang's, ignored."""
+
+    lora_name: LoraName
+    lora_id: Optional[Id] = None
 
 
 class InitGroupBody(_Strict):

@@ -9,7 +9,8 @@ default, deltas with ``--incremental_streaming_output``), ``/abort_request``,
 ``/update_weights_from_disk``, ``/update_weights_from_tensor`` (base64 **safetensors**, never
 pickle), ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
 ``/destroy_weights_update_group`` (torch.distributed gloo between CPU processes),
-``/update_weight_version``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/update_weight_version``, ``/load_lora_adapter`` / ``/unload_lora_adapter`` (named adapters
+that ``/generate``'s ``lora_path`` applies per request), ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
 ``/health``, ``/health_generate``, ``/flush_cache``, ``/v1/loads``, ``/v1/models``, ``/metrics``.
 
 With an API key every endpoint except ``/health*`` and ``/metrics`` needs ``Authorization:
@@ -21,7 +22,8 @@ naming the field before anything reaches the engine, so they never disturb other
 Deviations from SGLang, on purpose: ``/health`` answers 200 without a test generation (use
 ``/health_generate`` for that); ``/health_generate`` answers 200 at once while the engine is
 paused; an EOS reached exactly at ``max_new_tokens`` reports ``stop`` (not ``length``);
-``meta_info.weight_versions`` (per-token version spans) is always present.
+``meta_info.weight_versions`` (per-token version spans) is always present, and
+``meta_info.lora_path`` names the adapter a request generated under (when it named one).
 
 This module holds the app, its lifecycle, auth, ``/generate`` (plain and streamed), the control,
 info and health endpoints and the ``sglang:`` metrics; request parsing and response shapes are in
@@ -131,6 +133,7 @@ class RolloutHTTPServer(WeightEndpoints):
             max_batch_size=self.opts.max_running_requests,
             weight_version=self.opts.weight_version,
             seed=self.opts.random_seed,
+            max_loaded_loras=self.opts.max_loaded_loras,
             threads=self.opts.engine_threads,
             on_update=self._on_engine_update,
             reserve_rows=self.limits.fair_reserve_rows,
@@ -429,6 +432,8 @@ class RolloutHTTPServer(WeightEndpoints):
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,
             "lora_adapter": self.engine.lora_adapter,  # the merged LoRA adapter (checksum, version), None: none
+            # asyncrl's: the named adapters of /load_lora_adapter (name -> name, path, checksum, rank, ...)
+            "lora_adapters": {n: a.info() for n, a in self.engine.named_adapters.items()},
             "has_image_understanding": False,
             "has_audio_understanding": False,
         })
@@ -530,6 +535,8 @@ class RolloutHTTPServer(WeightEndpoints):
         r.add_post("/update_weights_from_distributed", self.handle_update_from_distributed)
         r.add_post("/destroy_weights_update_group", self.handle_destroy_group)
         r.add_post("/update_weight_version", self.handle_update_weight_version)
+        r.add_post("/load_lora_adapter", self.handle_load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.handle_unload_lora_adapter)
         for path, h in (("/get_model_info", self.handle_model_info), ("/model_info", self.handle_model_info),
                         ("/get_server_info", self.handle_server_info), ("/server_info", self.handle_server_info),
                         ("/get_weight_version", self.handle_weight_version), ("/health", self.handle_health),

@@ -40,6 +40,7 @@ class ServerOptions:
         limits: ServerLimits | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        max_loaded_loras: int = 8,
     ):
         self.model_path = str(model_path)
         self.host, self.port = host, int(port)
@@ -58,6 +59,10 @@ class ServerOptions:
         self.device = str(device)
         #: the engine's weights (SGLang's ``--dtype``): float32 by default (exact behaviour logprobs)
         self.dtype = str(dtype)
+        #: most named LoRA adapters registered at once (SGLang's ``--max-loaded-loras``; engine_lora.py)
+        self.max_loaded_loras = int(max_loaded_loras)
+        if not 1 <= self.max_loaded_loras <= 1024:
+            raise ValueError(f"--max-loaded-loras must be in [1, 1024], got {self.max_loaded_loras}")
 
 
 
@@ -84,6 +89,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOp
     add("device", default="cpu", help="where the engine runs: cpu (default), cuda or cuda:N (SGLang's flag)")
     add("dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="the engine's weight dtype (default float32: exact behaviour logprobs)")
+    add("max-loaded-loras", type=int, default=8,
+        help="most named LoRA adapters loaded at once (/load_lora_adapter; SGLang's flag)")
     add("log-level", default="info")
     add_limit_arguments(add)
     a = ap.parse_args(argv)
@@ -98,5 +105,5 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOp
         max_running_requests=a.max_running_requests, context_length=a.context_length,
         engine_threads=a.engine_threads, random_seed=a.random_seed, served_model_name=a.served_model_name,
         stream_interval=a.stream_interval, skip_tokenizer_init=a.skip_tokenizer_init, limits=limits_from_args(a),
-        device=a.device, dtype=a.dtype,
+        device=a.device, dtype=a.dtype, max_loaded_loras=a.max_loaded_loras,
     )

@@ -3,7 +3,8 @@
 One job: turn a weight-update request into a validated state dict handed to the engine
 (``/update_weights_from_disk``, ``/update_weights_from_tensor`` with base64 safetensors,
 ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
-``/destroy_weights_update_group`` over gloo, ``/update_weight_version``). Every body is validated by its schema in
+``/destroy_weights_update_group`` over gloo, ``/update_weight_version``), and SGLang's named LoRA
+adapters (``/load_lora_adapter``, ``/unload_lora_adapter``; rollout_server/engine_lora.py). Every body is validated by its schema in
 :mod:`rollout_server.schemas` (strict types, bounded sizes; the message names the field). Updates are
 serialised by one lock; a rejected update answers 400 ``{"success": false, "message": ...}``
 and changes nothing. :class:`WeightEndpoints` is a mixin of
@@ -25,13 +26,15 @@ from rollout_server.weight_group import GroupTimeout, join_group, leave_group, o
 from rollout_server.schemas import (
     DestroyGroupBody,
     InitGroupBody,
+    LoadLoraAdapterBody,
+    UnloadLoraAdapterBody,
     UpdateFromDiskBody,
     UpdateFromDistributedBody,
     UpdateFromTensorBody,
     UpdateWeightVersionBody,
 )
 
-__all__ = ["WeightEndpoints", "destroy_group"]
+__all__ = ["WeightEndpoints", "destroy_group", "read_adapter_dir"]
 
 log = logging.getLogger("rollout_server.server")
 
@@ -96,31 +99,12 @@ class WeightEndpoints:
         announced) is what the engine then reports in ``lora_adapter.checksum``, so the caller can
         check that the adapter it asked for is the one generating.
         """
-        import json
         from pathlib import Path
 
-        from asyncrl.core.weights import (
-            ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ChecksumError, WeightLoadError, sha256_file, verify_weights_dir,
-        )
-
-        path = Path(body.model_path)
-
-        def read() -> tuple[dict, dict, str]:
-            from safetensors.torch import load_file
-
-            if (path / "SHA256SUMS").is_file():
-                verify_weights_dir(path)
-            try:
-                config = json.loads((path / ADAPTER_CONFIG_FILE).read_text())
-                tensors = load_file(str(path / ADAPTER_WEIGHTS_FILE), device="cpu")
-            except Exception as exc:  # OSError, JSONDecodeError, SafetensorError
-                raise WeightLoadError(f"cannot read the adapter in {path}: {exc}") from exc
-            if not isinstance(config, dict):
-                raise WeightLoadError(f"{path / ADAPTER_CONFIG_FILE} is not a JSON object")
-            return tensors, config, sha256_file(path / ADAPTER_WEIGHTS_FILE)
+        from asyncrl.core.weights import ChecksumError, WeightLoadError
 
         try:
-            tensors, config, checksum = await self.loop.run_in_executor(None, read)
+            tensors, config, checksum = await self.loop.run_in_executor(None, read_adapter_dir, Path(body.model_path))
         except (WeightLoadError, ChecksumError) as exc:
             return web.json_response({"success": False, "message": f"Failed to load the LoRA adapter: {exc}"}, status=400)
         return await self._merge_adapter_tensors(tensors, config, checksum, body)
@@ -144,6 +128,52 @@ class WeightEndpoints:
             msg += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"],
                                   "lora_adapter": res["lora_adapter"]})
+
+    async def handle_load_lora_adapter(self, request: web.Request) -> web.Response:
+        """``POST /load_lora_adapter`` (:class:`~rollout_server.schemas.LoadLoraAdapterBody`): register a named adapter.
+
+        The directory is read like an adapter-only version (verified against its ``SHA256SUMS``
+        when it has one) and registered by the engine (rollout_server/engine_lora.py); the base
+        weights and the weight version do not change. Answers SGLang's ``LoRAUpdateOutput``:
+        200 ``{"success": true, "loaded_adapters": {name: path}}``, or 400 with ``success`` false
+        and ``error_message`` (unreadable or unfitting adapter, name taken, too many loaded, a
+        merged adapter in place), and nothing registered.
+        """
+        from pathlib import Path
+
+        from asyncrl.core.weights import ChecksumError, WeightLoadError
+
+        try:
+            body = await self._weights_body(request, LoadLoraAdapterBody, "/load_lora_adapter")
+        except RequestError as exc:
+            return _lora_answer(self.engine, exc)
+        async with self._weights_lock:
+            try:
+                tensors, config, checksum = await self.loop.run_in_executor(None, read_adapter_dir, Path(body.lora_path))
+                loaded = await asyncio.wrap_future(self.engine.call("load_lora", body.lora_name, body.lora_path, tensors,
+                                                                    config, checksum))
+            except (RequestError, WeightLoadError, ChecksumError) as exc:
+                return _lora_answer(self.engine, RequestError(f"Failed to load LoRA adapter {body.lora_name!r}: {exc}"))
+        log.info("LoRA adapter %r loaded from %s (sha256 %s)", body.lora_name, body.lora_path, checksum[:12])
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+    async def handle_unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """``POST /unload_lora_adapter`` (:class:`~rollout_server.schemas.UnloadLoraAdapterBody`): forget a named adapter.
+
+        Requests already running under it finish under it; new ones naming it get a 400. 400 with
+        ``error_message`` when no adapter of that name is loaded.
+        """
+        try:
+            body = await self._weights_body(request, UnloadLoraAdapterBody, "/unload_lora_adapter")
+        except RequestError as exc:
+            return _lora_answer(self.engine, exc)
+        async with self._weights_lock:
+            try:
+                loaded = await asyncio.wrap_future(self.engine.call("unload_lora", body.lora_name))
+            except RequestError as exc:
+                return _lora_answer(self.engine, RequestError(f"Failed to unload LoRA adapter: {exc}"))
+        log.info("LoRA adapter %r unloaded", body.lora_name)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
 
     async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_tensor``: base64 safetensors payloads (:class:`~rollout_server.schemas.UpdateFromTensorBody`)."""
@@ -255,6 +285,46 @@ def _refused(exc: RequestError) -> web.Response:
     if getattr(exc, "status", 400) != 400:
         resp.force_close()
     return resp
+
+
+def _lora_answer(engine: Any, exc: RequestError) -> web.Response:
+    """SGLang's refused ``LoRAUpdateOutput``: 400 ``{"success": false, "error_message", "loaded_adapters"}``
+    (413/408 for a body refused by its size or arrival time; the connection is then closed)."""
+    status = getattr(exc, "status", 400)
+    resp = web.json_response({"success": False, "error_message": str(exc), "loaded_adapters": engine.loaded_lora_paths()},
+                             status=status)
+    if status != 400:
+        resp.force_close()
+    return resp
+
+
+def read_adapter_dir(path: Any) -> tuple[dict, dict, str]:
+    """``(tensors, adapter_config, sha256 of adapter_model.safetensors)`` of a PEFT adapter directory.
+
+    The directory is verified against its ``SHA256SUMS`` when it has one (what the trainer writes).
+
+    Raises:
+        WeightLoadError: a file is missing or unreadable, or the config is not a JSON object.
+        ChecksumError: a file does not match ``SHA256SUMS``.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from asyncrl.core.weights import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, WeightLoadError, sha256_file, verify_weights_dir
+
+    path = Path(path)
+    if (path / "SHA256SUMS").is_file():
+        verify_weights_dir(path)
+    try:
+        config = json.loads((path / ADAPTER_CONFIG_FILE).read_text())
+        tensors = load_file(str(path / ADAPTER_WEIGHTS_FILE), device="cpu")
+    except Exception as exc:  # OSError, JSONDecodeError, SafetensorError
+        raise WeightLoadError(f"cannot read the adapter in {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise WeightLoadError(f"{path / ADAPTER_CONFIG_FILE} is not a JSON object")
+    return tensors, config, sha256_file(path / ADAPTER_WEIGHTS_FILE)
 
 
 def destroy_group(pg: Any) -> None:
