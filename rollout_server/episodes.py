@@ -152,12 +152,13 @@ class _LiveCalls:
         t0 = time.monotonic()
         self.live_calls += 1
         try:
-            stream = w.client.generate_stream(context_ids, params, rid=rid, return_logprob=True)
+            lora, tag = w._adapter_request()  # by_name: the adapter of the worker's version (worker_weights.py)
+            stream = w.client.generate_stream(context_ids, params, rid=rid, return_logprob=True, **lora)
             async with contextlib.aclosing(stream):
                 async for d in stream:
+                    vers += w._token_versions(d, tag)
                     ids += d.token_ids
                     lps += d.logprobs
-                    vers += [w._version_of(v) for v in d.versions]
                     if d.finish_reason is not None:
                         engine_finish = d.finish_reason.get("type")
                         break
@@ -278,10 +279,11 @@ class EpisodeRunner:
             raise ValueError("scoring needs a non-empty context and target")
         for attempt in range(SCORE_ABORT_RETRIES + 1):
             try:
+                lora = self.w._adapter_request()[0] if client is self.w.client else {}  # the policy's adapter
                 out = await client.generate(list(context_ids) + list(target_ids),
                                             {"max_new_tokens": 0, "temperature": float(self.w.opts.temperature)},
                                             rid=self.w._next_rid_name("score"), return_logprob=True,
-                                            logprob_start_len=len(context_ids) - 1)
+                                            logprob_start_len=len(context_ids) - 1, **lora)
                 finish = ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type")
             except (EngineError, EngineUnavailable, AttributeError) as exc:
                 raise _Abandon(WorkerError(f"scoring tokens on {client.url} failed: {exc}")) from exc

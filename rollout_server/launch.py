@@ -57,6 +57,8 @@ def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
            "--host", r.host, "--port", str(int(port)), "--weight-version", str(weight_version),
            "--max-running-requests", str(r.engine_max_batch_size), "--random-seed", str(cfg.run.seed)]
     cmd += limit_flags(r)  # rollout.engine_* limits (docs/rollout.md#limits)
+    if cfg.resolved_lora_mode() == "by_name":  # the worker keeps max_staleness + 1, one more while it swaps
+        cmd += ["--max-loaded-loras", str(cfg.buffer.max_staleness + 2)]
     if r.incremental_streaming:
         cmd.append("--incremental-streaming-output")
     if r.engine_threads:

@@ -7,6 +7,11 @@
 is an asyncrl version), ``--enable-metrics`` (Prometheus ``/metrics``),
 ``--incremental-streaming-output`` (deltas; the client detects the mode either way),
 ``--random-seed``, ``--skip-server-warmup``; ``rollout.sglang_args`` is appended verbatim.
+With ``trainer.lora`` (adapters by name, docs/trainer.md#lora) also SGLang's LoRA flags
+(https://docs.sglang.io/advanced_features/lora.html): ``--enable-lora``, ``--max-lora-rank``
+and ``--lora-target-modules`` (adapters loaded after start must fit them), and
+``--max-loaded-loras`` = ``--max-loras-per-batch`` = ``buffer.max_staleness + 2`` (the worker
+keeps ``max_staleness + 1`` registered, one more while it loads the next).
 :data:`SGLANG_DOCUMENTED_FLAGS` is the flag set the tests check the command against.
 
 The process is launched (and waited for) by :mod:`rollout_server.launch`; whether SGLang is
@@ -25,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["SGLANG_DOCUMENTED_FLAGS", "sglang_available", "sglang_command"]
 
 #: Server flags documented by SGLang (its server arguments page, above) that asyncrl may emit.
-SGLANG_DOCUMENTED_FLAGS: dict[str, bool] = {  # flag -> takes a value
+SGLANG_DOCUMENTED_FLAGS: dict[str, bool | str] = {  # flag -> takes a value ("+": one or more)
     "--model-path": True,
     "--tokenizer-path": True,
     "--host": True,
@@ -53,6 +58,11 @@ SGLANG_DOCUMENTED_FLAGS: dict[str, bool] = {  # flag -> takes a value
     "--enable-deterministic-inference": False,
     "--load-format": True,
     "--trust-remote-code": False,
+    "--enable-lora": False,
+    "--max-lora-rank": True,
+    "--lora-target-modules": "+",
+    "--max-loaded-loras": True,
+    "--max-loras-per-batch": True,
 }
 
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -70,7 +80,7 @@ def sglang_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
     Args:
         cfg: the run config (``rollout.host``, ``rollout.sglang_*``, ``rollout.engine_max_batch_size``,
             ``model.dtype``, ``model.max_context_len``, ``security.api_key`` when
-            ``rollout.api_key_required``, ``run.seed``).
+            ``rollout.api_key_required``, ``run.seed``, ``trainer.lora`` and ``buffer.max_staleness``).
         model_path: resolved model directory (or the latest published weights).
         port: the server's port.
         weight_version: policy version of those weights (``--weight-version``).
@@ -94,5 +104,10 @@ def sglang_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
 
         # SGLang takes its key on the command line only: visible in `ps` (docs/security.md)
         cmd += ["--api-key", reveal(cfg.security.api_key) or ""]
+    lora = cfg.trainer.lora
+    if lora is not None:
+        keep = str(cfg.buffer.max_staleness + 2)
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *lora.target_modules,
+                "--max-loaded-loras", keep, "--max-loras-per-batch", keep]
     cmd += list(r.sglang_args)
     return cmd

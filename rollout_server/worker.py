@@ -42,7 +42,9 @@ What a worker does, concurrently (asyncio tasks):
   announced version.
 * **Per-token versions** come from the engine (per-token ``meta_info.weight_versions`` spans,
   else ``meta_info.weight_version``), never from the worker's belief. A version string that is
-  not an integer (SGLang's ``"default"``) means the weights the worker loaded last.
+  not an integer (SGLang's ``"default"``) means the weights the worker loaded last. With LoRA
+  adapters by name (``lora_mode: by_name``) a request names its adapter (``lora_path``), which
+  serves it to its end, so its tokens carry that adapter's version (worker_weights.py).
 * **Heartbeat.** Renews the leases of everything in flight every ``lease_seconds / 3``; an
   item whose lease is gone is cancelled (the closed stream aborts the engine request) and left
   to its new owner.
@@ -137,6 +139,11 @@ class RolloutWorker(WorkerWeightSync):
         self.stats = WorkerStats()
         self.version: int | None = None
         self.lineage: int | None = None
+        #: lora_mode by_name: the adapter name of ``version`` (None: the base model); worker_weights.py
+        self.adapter: str | None = None
+        self._adapters: dict[str, int] = {}  # adapter names this worker registered on the engine -> version
+        self._engine_adapters: set[str] = set()  # names the engine listed at the last load/unload
+        self._adapter_pruning: asyncio.Task | None = None
         self._active: dict[str, _Active] = {}
         self._first_claim: dict[str, float] = {}
         self._claim_gate = asyncio.Event()
@@ -390,14 +397,15 @@ class RolloutWorker(WorkerWeightSync):
         t0 = _now()
         rid = self._next_rid(item)
         a.requested = True
+        lora, tag = self._adapter_request()  # by_name: lora_path of this version's adapter, and its label
         stream = self.client.generate_stream(item.prompt_ids + item.response_ids, self.sampling_params(item),
-                                             rid=rid, return_logprob=True)
+                                             rid=rid, return_logprob=True, **lora)
         try:
             async with contextlib.aclosing(stream):
                 async for d in stream:
+                    vers += self._token_versions(d, tag)
                     ids += d.token_ids
                     lps += d.logprobs
-                    vers += [self._version_of(v) for v in d.versions]
                     if d.finish_reason is not None:
                         engine_finish = d.finish_reason.get("type")
                         break

@@ -41,6 +41,13 @@ class WorkerOptions:
         drain_timeout_seconds: how long :meth:`RolloutWorker.drain` waits for in-flight items.
         extra_sampling_params: merged into every request's ``sampling_params`` (e.g.
             ``{"ignore_eos": true}`` in benchmarks); may not set the keys the worker owns.
+        lora_mode: how an adapter-only version (``trainer.lora``) reaches the engine: ``merge``
+            (``/update_weights_from_disk``; the embedded engine merges it) or ``by_name``
+            (SGLang's ``/load_lora_adapter`` under a versioned name, ``lora_path`` on every
+            request; :class:`rollout_server.worker_weights.WorkerWeightSync`).
+        max_lora_adapters: ``by_name``: most adapter versions kept registered on the engine
+            (None: ``buffer.max_staleness + 1``, so a segment started under the oldest version
+            the buffer still accepts can finish under it).
     """
 
     worker_id: str
@@ -58,6 +65,8 @@ class WorkerOptions:
     engine_wait_seconds: float = 120.0
     drain_timeout_seconds: float = 60.0
     extra_sampling_params: dict = field(default_factory=dict)
+    lora_mode: str = "merge"
+    max_lora_adapters: int | None = None
 
     def __post_init__(self) -> None:
         owned = {"temperature", "top_p", "top_k", "max_new_tokens"} & set(self.extra_sampling_params)
@@ -68,6 +77,12 @@ class WorkerOptions:
             raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {self.pause_mode!r}")
         if self.transport not in ("disk", "http", "nccl"):
             raise ValueError(f"transport must be disk, http or nccl, got {self.transport!r}")
+        if self.lora_mode not in ("merge", "by_name"):
+            raise ValueError(f"lora_mode must be 'merge' or 'by_name', got {self.lora_mode!r}")
+        if self.lora_mode == "by_name" and self.transport == "nccl":
+            raise ValueError("lora_mode 'by_name' loads adapters from their directory: transport must be disk or http")
+        if self.max_lora_adapters is not None and self.max_lora_adapters < 1:
+            raise ValueError(f"max_lora_adapters must be >= 1, got {self.max_lora_adapters}")
         if self.max_inflight_requests < 1:
             raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -81,6 +96,7 @@ class WorkerOptions:
             worker_id=worker_id, temperature=r.temperature, max_inflight_requests=r.max_inflight_requests,
             pause_mode=r.pause_mode, transport=cfg.weight_sync.transport, stop=list(r.stop),
             base_model_path=cfg.model.path, weights_api_key=cfg.security.api_key,
+            lora_mode=cfg.resolved_lora_mode() or "merge",
         )
         kw.update(overrides)
         return cls(**kw)

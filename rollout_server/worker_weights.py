@@ -15,6 +15,18 @@ worker); its methods run on the worker:
   resumes; claiming stops meanwhile. ``nccl``: the trainer pushes the weights, the worker waits
   until the engine reports the announced version. A failed load is logged and retried 2 s
   later; the engine keeps generating with the weights it has.
+* **LoRA by name** (``lora_mode: by_name``, SGLang's adapter path; docs/trainer.md#lora): an
+  adapter-only version is registered with ``/load_lora_adapter`` under a versioned name
+  (:func:`adapter_name`: lineage, version and checksum) from its directory, without touching the
+  base weights; the answer must list the name, or the load failed (loud: logged, counted,
+  retried, and the worker stays at its version and its adapter). With ``pause_mode: abort`` the
+  engine's running requests then end, so their samples resume under the new adapter. Every
+  request of a segment generated under version v carries ``lora_path`` = v's name, and its
+  tokens are labelled v (the adapter a request names serves it to its end); an engine that
+  reports the adapter it used (``meta_info.lora_path``, the embedded engine) must report that
+  one. At most ``max_lora_adapters`` (default ``max_staleness + 1``) versions stay registered:
+  older ones, and leftovers of an earlier worker on the same engine, are unloaded with
+  ``/unload_lora_adapter`` in the background (SGLang's unload waits for their requests).
 * **Catching up** (``_catch_up``): an item claimed under a clock newer than the engine's
   weights loads them before generating.
 * **Start and engine loss** (:meth:`sync_weights`, ``_recover_engine``): align the engine with
@@ -39,7 +51,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollout_server.client import EngineError, EngineUnavailable
 from rollout_server.worker_options import WorkerError
 
-__all__ = ["WorkerWeightSync"]
+__all__ = ["WorkerWeightSync", "adapter_name", "ADAPTER_NAME_PREFIX"]
+
+#: prefix of the adapter names the worker registers (``by_name``); leftovers with it are unloaded
+ADAPTER_NAME_PREFIX = "asyncrl-"
+
+
+def adapter_name(ann: WeightAnnouncement) -> str:
+    """The name a version's adapter is registered under: ``asyncrl-l<lineage>-v<version>-<sha256[:12]>``.
+
+    Lineage and version say which policy it is; the checksum prefix makes a name never stand for
+    two different adapters (a restarted trainer may publish another adapter as the same version).
+    """
+    return f"{ADAPTER_NAME_PREFIX}l{ann.lineage}-v{ann.version}-{(ann.checksum or 'nochecksum')[:12]}"
 
 # The worker's logger: these records read as they did when this code was in worker.py.
 log = logging.getLogger("rollout_server.worker")
@@ -76,7 +100,8 @@ class WorkerWeightSync:
             return False
         if not initial and not self._is_new(ann):
             return False
-        if initial and self.lineage is None:
+        if initial and self.lineage is None and self.opts.lora_mode != "by_name":
+            # (by_name: the engine's version string says nothing about which adapters it holds: load)
             with contextlib.suppress(EngineError, EngineUnavailable):
                 if await self.client.weight_version() == str(ann.version):
                     self.version, self.lineage = ann.version, ann.lineage
@@ -170,17 +195,24 @@ class WorkerWeightSync:
             self._claim_gate.clear()
             t0 = _now()
             transport = self.opts.transport
+            name = None  # by_name: the adapter registered for ann
             try:
                 if transport == "nccl":
                     await self._wait_engine_version(str(ann.version))
                 else:
+                    from asyncrl.core.weights import is_adapter_dir
+
                     path = await self._weights_path(ann)  # fetch before pausing: the pause stays short
-                    await self.client.pause(self.opts.pause_mode)
-                    try:
-                        res = await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
-                    finally:
-                        await self.client.resume()
-                    self._check_adapter_landed(path, ann, res)
+                    if self.opts.lora_mode == "by_name" and is_adapter_dir(path):
+                        name = await self._load_adapter_by_name(path, ann)
+                    else:
+                        await self.client.pause(self.opts.pause_mode)
+                        try:
+                            res = await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
+                        finally:
+                            await self.client.resume()
+                        self._check_adapter_landed(path, ann, res)
+                        name = None
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -196,12 +228,118 @@ class WorkerWeightSync:
             finally:
                 self._claim_gate.set()
             self.version, self.lineage = ann.version, ann.lineage
+            self.adapter = name  # with version, in one step: requests name the adapter of the version they label
+            if name is not None:
+                self._prune_adapters_soon()
             self.stats.weight_updates += 1
             if self.metrics is not None:
                 lag = time.time() - ann.published_ms / 1000.0 if ann.published_ms else None
                 self.metrics.weights_loaded(ann.version, transport, _now() - t0, lag)
             log.info("policy version %d (lineage %d) live on %s", ann.version, ann.lineage, self.client.url)
             return True
+
+    # ------------------------------------------------------------------ LoRA by name (SGLang's adapter path)
+    async def _load_adapter_by_name(self, path: str, ann: WeightAnnouncement) -> str:
+        """Register ``ann``'s adapter directory with ``/load_lora_adapter``; returns its name.
+
+        A name this worker registered before on this engine is not loaded again. One it did not
+        (a restarted worker, the engine kept running) is unloaded first, quietly, so the load
+        cannot fail on a leftover of the same name. With ``pause_mode: abort`` the engine's running
+        requests end after the load (their samples resume under the new adapter).
+
+        Raises:
+            EngineError: the load failed, or its answer's ``loaded_adapters`` lacks the name
+                (the engine would not serve it).
+            EngineUnavailable: the engine cannot be reached.
+        """
+        name = adapter_name(ann)
+        if name not in self._adapters:
+            with contextlib.suppress(EngineError):
+                await self.client.unload_lora_adapter(name)
+            res = await self.client.load_lora_adapter(name, path)
+            loaded = (res or {}).get("loaded_adapters")
+            if not isinstance(loaded, dict) or name not in loaded:
+                raise EngineError(200, f"the engine did not confirm LoRA adapter {name!r} of version {ann.version}: "
+                                  f"its /load_lora_adapter answer lists {sorted(loaded) if isinstance(loaded, dict) else loaded!r}",
+                                  self.client.url)
+            self._adapters[name] = ann.version
+            self._engine_adapters = set(loaded)
+        if self.opts.pause_mode == "abort":  # like a full load: running segments end and resume under the new policy
+            await self.client.pause("abort")
+            await self.client.resume()
+        return name
+
+    def _adapter_request(self) -> tuple[dict, tuple[str, int] | None]:
+        """``(extra /generate fields, (adapter name, version) or None)`` for a request sent now.
+
+        ``by_name`` with an adapter loaded: ``{"lora_path": name}`` and the version its tokens are
+        labelled with; otherwise nothing (the engine's own per-token versions label the tokens).
+        """
+        if self.adapter is None or self.opts.lora_mode != "by_name":
+            return {}, None
+        return {"lora_path": self.adapter}, (self.adapter, int(self.version))
+
+    def _token_versions(self, d, tag: tuple[str, int] | None) -> list[int]:
+        """Policy versions of the new tokens of stream delta ``d`` of a request sent with ``tag``.
+
+        Raises:
+            EngineError: the engine reports (``meta_info.lora_path``) another adapter than the
+                request named: its tokens are not that version's (status 500: the segment is
+                parked and retried, and a worker that keeps seeing it stops).
+        """
+        if tag is None:
+            return [self._version_of(v) for v in d.versions]
+        name, version = tag
+        used = (d.meta or {}).get("lora_path", name)
+        if used != name:
+            raise EngineError(500, f"the engine generated under LoRA adapter {used!r} while the request named {name!r}",
+                              self.client.url)
+        return [version] * len(d.token_ids)
+
+    def _prune_adapters_soon(self) -> None:
+        """Unload, in the background, the registered adapters beyond the newest ``max_lora_adapters``."""
+        previous = self._adapter_pruning
+
+        async def run() -> None:
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    await previous
+            await self.prune_adapters()
+
+        self._adapter_pruning = asyncio.create_task(run(), name="lora-adapter-prune")
+
+    async def prune_adapters(self) -> list[str]:
+        """Unload the adapters beyond the newest ``max_lora_adapters`` (and asyncrl leftovers); returns the names unloaded.
+
+        SGLang's unload waits for the requests running under the adapter, so this may take as long
+        as the longest of them. A failed unload is logged (the adapter stays registered: more
+        memory, never a wrong sample) and retried at the next version.
+        """
+        keep = self.opts.max_lora_adapters or (int(self.settings.max_staleness) + 1)
+        order = sorted(self._adapters, key=lambda n: self._adapters[n])
+        drop = [n for n in order[:-keep] if n != self.adapter]
+        drop += sorted(n for n in self._engine_adapters if n.startswith(ADAPTER_NAME_PREFIX) and n not in self._adapters)
+        done = []
+        for n in drop:
+            try:
+                res = await self.client.unload_lora_adapter(n)
+            except EngineUnavailable as exc:
+                log.warning("unloading LoRA adapter %s failed: %s; retrying at the next version", n, exc)
+                continue
+            except EngineError as exc:  # not loaded (any more): nothing to keep track of
+                log.warning("unloading LoRA adapter %s failed: %s", n, exc.message)
+                res = None
+            self._adapters.pop(n, None)
+            self._engine_adapters.discard(n)
+            if isinstance((res or {}).get("loaded_adapters"), dict):
+                self._engine_adapters = set(res["loaded_adapters"])
+            done.append(n)
+        return done
+
+    async def adapters_pruned(self) -> None:
+        """Wait until the background unloading started by the last adapter load is done."""
+        if self._adapter_pruning is not None:
+            await self._adapter_pruning
 
     def _check_adapter_landed(self, path: str, ann: WeightAnnouncement, res: dict) -> None:
         """An adapter-only version (``trainer.lora``) must be confirmed by the engine, or the load failed.
@@ -221,8 +359,8 @@ class WorkerWeightSync:
         got = (res or {}).get("lora_adapter") or {}
         if got.get("checksum") != ann.checksum or got.get("version") != str(ann.version):
             raise EngineError(200, f"the engine did not confirm LoRA adapter version {ann.version} (checksum {ann.checksum[:12]}): "
-                              f"it answered lora_adapter={got or None}; adapter-only weight sync needs the embedded "
-                              "engine (SGLang's /load_lora_adapter path is not implemented, docs/trainer.md#lora)",
+                              f"it answered lora_adapter={got or None}; merging an adapter needs the embedded engine "
+                              "(SGLang takes adapters by name: rollout.lora_mode by_name, docs/trainer.md#lora)",
                               self.client.url)
 
     async def _wait_engine_version(self, version: str, timeout_seconds: float = 600.0) -> None:
@@ -239,6 +377,9 @@ class WorkerWeightSync:
             if await self.client.health():
                 self._engine_lost = False
                 self.version = self.lineage = None  # a restarted engine holds the base model
+                self.adapter = None  # ... and no named adapter
+                self._adapters.clear()
+                self._engine_adapters.clear()
                 await self.sync_weights(initial=True)
                 return
             if _now() > deadline:

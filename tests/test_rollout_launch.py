@@ -22,7 +22,14 @@ def _flags(cmd: list[str]) -> list[tuple[str, str | None]]:
     while i < len(rest):
         flag = rest[i]
         assert flag in SGLANG_DOCUMENTED_FLAGS, f"{flag} is not a documented SGLang server flag"
-        if SGLANG_DOCUMENTED_FLAGS[flag]:
+        if SGLANG_DOCUMENTED_FLAGS[flag] == "+":  # one or more values
+            j = i + 1
+            while j < len(rest) and not rest[j].startswith("--"):
+                j += 1
+            assert j > i + 1, f"{flag} needs a value"
+            out.append((flag, " ".join(rest[i + 1:j])))
+            i = j
+        elif SGLANG_DOCUMENTED_FLAGS[flag]:
             assert i + 1 < len(rest) and not rest[i + 1].startswith("--"), f"{flag} needs a value"
             out.append((flag, rest[i + 1]))
             i += 2
@@ -53,6 +60,24 @@ def test_sglang_command_from_config():
     flags = dict(_flags(sglang_command(cfg, "/m", 30000)))
     assert "--api-key" not in flags and "--incremental-streaming-output" not in flags
     assert flags["--log-level"] == "warning" and flags["--dtype"] == "float32"
+    assert "--enable-lora" not in flags
+
+
+def test_sglang_command_enables_lora_for_adapters_by_name():
+    """trainer.lora on SGLang: adapters loaded later must fit rank and target modules given at launch, and
+    max_staleness + 2 adapters fit (the worker keeps max_staleness + 1, one more while it loads the next)."""
+    cfg = load_config(overrides={"rollout": {"engine": "sglang"}, "buffer": {"max_staleness": 2},
+                                 "trainer": {"lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]},
+                                             "loss": {"correction": "decoupled"}}})
+    assert cfg.resolved_lora_mode() == "by_name"
+    flags = dict(_flags(sglang_command(cfg, "/m", 30000)))
+    assert flags["--enable-lora"] is None and flags["--max-lora-rank"] == "8"
+    assert flags["--lora-target-modules"] == "q_proj v_proj"
+    assert flags["--max-loaded-loras"] == flags["--max-loras-per-batch"] == "4"
+    from rollout_server.server import parse_args
+
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "torch", "lora_mode": "by_name"})})
+    assert parse_args(engine_command(cfg, "/m", 31000)[3:]).max_loaded_loras == 4
 
 
 def test_embedded_command_mirrors_sglang_flags(monkeypatch):

@@ -107,6 +107,14 @@ class AsyncRLConfig(_Section):
     agent: AgentConfig = AgentConfig()
     """Multi-turn workflows (episodes with tools and environment feedback)."""
 
+    def resolved_lora_mode(self) -> str | None:
+        """How rollout engines take adapter versions: ``merge``, ``by_name``, or None without ``trainer.lora``."""
+        if self.trainer.lora is None:
+            return None
+        if self.rollout.lora_mode != "auto":
+            return self.rollout.lora_mode
+        return "by_name" if self.rollout.engine == "sglang" else "merge"
+
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "AsyncRLConfig":
         r, b, loss = self.rollout, self.buffer, self.trainer.loss
@@ -133,6 +141,13 @@ class AsyncRLConfig(_Section):
             if self.trainer.reference.ema_eta is not None:
                 raise ValueError("trainer.lora uses the base model with the adapter disabled as the reference: "
                                  "trainer.reference.ema_eta (a reference that follows the actor) is not available with it")
+            if r.engine == "sglang" and r.lora_mode == "merge":
+                raise ValueError("rollout.lora_mode=merge needs the embedded engine: SGLang's /update_weights_from_disk "
+                                 "does not read an adapter directory; use lora_mode by_name (or auto) with SGLang")
+            if self.resolved_lora_mode() == "by_name" and self.weight_sync.transport == "nccl":
+                raise ValueError("rollout.lora_mode=by_name loads each adapter version from its directory "
+                                 "(/load_lora_adapter): use weight_sync.transport disk or http, or lora_mode merge "
+                                 "on the embedded engine")
         if self.trainer.advantage in ("grpo", "dr_grpo", "rloo") and r.n_samples_per_prompt < 2:
             raise ValueError(
                 f"trainer.advantage={self.trainer.advantage} needs rollout.n_samples_per_prompt >= 2 "

@@ -295,6 +295,8 @@ class RolloutConfig(_Section):
     """Requests a rollout worker keeps in flight per server."""
     pause_mode: Literal["abort", "in_place"] = "abort"
     """How the engine is paused for a weight update: abort in-flight requests (recompute KV on resume) or keep KV in place."""
+    lora_mode: Literal["auto", "merge", "by_name"] = "auto"
+    """With ``trainer.lora``, how a rollout engine takes each adapter version (docs/trainer.md#lora): ``merge`` into a copy of its base weights (``/update_weights_from_disk``; the embedded engine only), or ``by_name``: registered under a versioned name (SGLang's ``/load_lora_adapter``), at most ``buffer.max_staleness + 1`` kept, each request naming its adapter in ``lora_path``. ``auto``: ``by_name`` on SGLang, ``merge`` on the embedded engine."""
     incremental_streaming: bool = True
     """Launch embedded servers with incremental (delta) streaming; clients detect the mode either way."""
     engine_max_batch_size: int = Field(64, ge=1)
