@@ -111,7 +111,7 @@ class EngineLora:
 
     def loaded_lora_paths(self) -> dict[str, str]:
         """``{name: path}`` of the registered adapters (SGLang's ``loaded_adapters``)."""
-        return {n: a.path for n, a in self.named_adapters.items()}
+        return {n: a.path for n, a in list(self.named_adapters.items())}  # list(): one C-level copy (HTTP thread)
 
     def _resolve_adapters(self, samples: list) -> list:
         """Bind each sample's ``lora_name`` to its registered adapter at submission; the samples whose

@@ -193,7 +193,7 @@ async def parse_generate(raw: bytes, eng: Engine, tokenizer: Any, reader: BodyRe
     names = req.lora_names(nb)
     unknown = sorted({n for n in names if n is not None and n not in eng.named_adapters})
     if unknown:  # SGLang's words (its LoRARegistry.acquire), also a 400 there
-        loaded = sorted(eng.named_adapters)[:MAX_NAMED_ADAPTERS]
+        loaded = sorted(list(eng.named_adapters))[:MAX_NAMED_ADAPTERS]
         raise RequestError(f"The following requested LoRA adapters are not loaded: {unknown[0][:MAX_LORA_NAME_CHARS]}"
                            f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; loaded adapters: {loaded}"
                            " (/load_lora_adapter registers one)")

@@ -433,7 +433,7 @@ class RolloutHTTPServer(WeightEndpoints):
             "weight_version": self.engine.weight_version,
             "lora_adapter": self.engine.lora_adapter,  # the merged LoRA adapter (checksum, version), None: none
             # asyncrl's: the named adapters of /load_lora_adapter (name -> name, path, checksum, rank, ...)
-            "lora_adapters": {n: a.info() for n, a in self.engine.named_adapters.items()},
+            "lora_adapters": {n: a.info() for n, a in list(self.engine.named_adapters.items())},
             "has_image_understanding": False,
             "has_audio_understanding": False,
         })

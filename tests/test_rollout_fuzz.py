@@ -46,7 +46,7 @@ BODY_LIMIT = 256 << 10
 POST_SAFE = ["/generate"]  # valid bodies are welcome
 POST_GUARDED = ["/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
                 "/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
-                "/destroy_weights_update_group", "/update_weight_version"]
+                "/destroy_weights_update_group", "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter"]
 GET = ["/get_model_info", "/model_info", "/get_server_info", "/server_info", "/get_weight_version", "/health",
        "/health_generate", "/v1/loads", "/get_load", "/v1/models", "/metrics", "/flush_cache"]
 
@@ -106,7 +106,8 @@ def nearly_valid(draw, base):
 def _guarded_body(draw) -> dict:
     """A body for an endpoint that changes state: always invalid (an unknown key)."""
     body = draw(st.dictionaries(st.sampled_from(["rid", "abort_all", "mode", "model_path", "new_version", "group_name",
-                                                 "names", "world_size", "master_port", "serialized_named_tensors"]),
+                                                 "names", "world_size", "master_port", "serialized_named_tensors",
+                                                 "lora_name", "lora_path"]),
                                 hostile_json, max_size=4))
     body["zz_unknown"] = draw(hostile_json)
     return body

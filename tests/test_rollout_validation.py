@@ -59,7 +59,9 @@ async def post_raw(url: str, path: str, data: bytes | str, timeout: float = 60.0
 
 
 def _message(body: dict) -> str:
-    return body["error"]["message"] if "error" in body else body.get("message", "")
+    if "error" in body:
+        return body["error"]["message"]
+    return body.get("message") or body.get("error_message") or ""  # error_message: SGLang's LoRAUpdateOutput
 
 
 async def _canary(url: str, started: asyncio.Event) -> list[int]:
@@ -299,6 +301,12 @@ BAD_BODIES = [
     ("/destroy_weights_update_group", '{"group_name": ["x"]}', "group_name"),
     ("/update_weight_version", '{"new_version": true}', "new_version"),
     ("/update_weight_version", '{"new_version": "v9", "abort_all_requests": "no"}', "abort_all_requests"),
+    ("/load_lora_adapter", '{"lora_name": ["a"], "lora_path": "/nope"}', "lora_name"),
+    ("/load_lora_adapter", '{"lora_name": "a", "lora_path": "%s"}' % ("x" * 5000), "lora_path"),
+    ("/load_lora_adapter", '{"lora_name": "a", "lora_path": "/nope", "pinned": "yes"}', "pinned"),
+    ("/unload_lora_adapter", '{"lora_name": ""}', "lora_name"),
+    ("/generate", '{"input_ids": [1, 2], "lora_path": {"a": 1}}', "lora_path"),
+    ("/generate", '{"input_ids": [1, 2], "lora_path": "not-loaded"}', "not loaded"),
 ]
 
 
