@@ -141,7 +141,7 @@ class RolloutWorker(WorkerWeightSync):
         self.lineage: int | None = None
         #: lora_mode by_name: the adapter name of ``version`` (None: the base model); worker_weights.py
         self.adapter: str | None = None
-        self._adapters: dict[str, int] = {}  # adapter names this worker registered on the engine -> version
+        self._adapters: dict[str, int] = {}  # adapter names this worker registered on the engine (load order) -> version
         self._engine_adapters: set[str] = set()  # names the engine listed at the last load/unload
         self._adapter_pruning: asyncio.Task | None = None
         self._active: dict[str, _Active] = {}

@@ -316,7 +316,7 @@ class WorkerWeightSync:
         memory, never a wrong sample) and retried at the next version.
         """
         keep = self.opts.max_lora_adapters or (int(self.settings.max_staleness) + 1)
-        order = sorted(self._adapters, key=lambda n: self._adapters[n])
+        order = list(self._adapters)  # load order (versions restart after a new lineage)
         drop = [n for n in order[:-keep] if n != self.adapter]
         drop += sorted(n for n in self._engine_adapters if n.startswith(ADAPTER_NAME_PREFIX) and n not in self._adapters)
         done = []
