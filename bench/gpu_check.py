@@ -486,7 +486,7 @@ STAGES: list[Stage] = [
     Stage("trainer", "trainer tokens/s, MFU, weight publish + load (bench/trainer_bench.py --device cuda)", 120,
           ["cuda", "stage:model", "module:deepspeed", "module:transformers", "module:pydantic"], command=_trainer_cmd,
           collect=_trainer_collect),
-    Stage("main_job", "asyncrl train, configs/smollm2_arith.yaml, 20 steps, trainer and engine on GPU 0", 240,
+    Stage("main_job", "asyncrl train, configs/smollm2_arith.yaml, --main-job-steps steps (20 by default), trainer and engine on GPU 0", 240,
           ["cuda", "stage:model", "redis", "module:deepspeed", "module:aiohttp", "module:redis",
            "module:pydantic_settings", "module:math_verify", "module:psutil"],
           command=_main_job_cmd, env=_main_job_env, collect=_main_job_collect),
