@@ -23,7 +23,7 @@ GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = (*GROUP_ESTIMATORS, "gae")
 
 #: The built-in tasks, registered in asyncrl/tasks/tasks.py like any other task.
-BUILTIN_TASKS: tuple[str, ...] = ("arithmetic", "gsm8k", "jsonl", "parquet")
+BUILTIN_TASKS: tuple[str, ...] = ("arithmetic", "chain", "gsm8k", "jsonl", "parquet")
 #: The built-in tasks that read ``data.path``.
 FILE_TASKS: tuple[str, ...] = ("gsm8k", "jsonl", "parquet")
 #: ``data.task`` naming a task class (or factory) outside asyncrl: ``module:Class``.

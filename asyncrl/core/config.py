@@ -38,6 +38,7 @@ from asyncrl.core.choices import FILE_TASKS
 from asyncrl.core.config_agent import STEPWISE_MODES, AgentConfig  # noqa: F401  (re-exported)
 from asyncrl.core.config_sections import (  # noqa: F401  (re-exported)
     ArithmeticConfig,
+    ChainConfig,
     BufferConfig,
     CriticConfig,
     DataConfig,

@@ -108,6 +108,37 @@ class ArithmeticConfig(_Section):
         return list(self.digits) if isinstance(self.digits, list) else [self.digits] * self.n_terms
 
 
+class ChainConfig(_Section):
+    """Difficulty and length knobs of the built-in long-tailed ``chain`` task (``data.chain.*``).
+
+    A problem is a list of ``steps + 1`` numbers to add one at a time (a running sum, one line per
+    step). The number of steps is drawn from a truncated discrete Pareto law,
+    ``steps = min(max_steps, floor(min_steps * U ** (-1 / tail_index)))`` with ``U`` uniform on
+    ``(0, 1]``, so ``P(steps >= s) = (min_steps / s) ** tail_index`` for
+    ``min_steps <= s < max_steps`` (Pareto 1896; the discretised Pareto of Clauset, Shalizi &
+    Newman 2009, "Power-law distributions in empirical data", SIAM Review 51(4), eq. 2.7) and the
+    rest of the mass sits at ``max_steps``. The defaults give a median of 3 steps and a 99th
+    percentile of 48 (16x the median): docs/tasks.md.
+    """
+
+    digits: int = Field(1, ge=1, le=4)
+    """Digits of each number to add: numbers are uniform in ``[1, 10**digits - 1]``."""
+    min_steps: int = Field(2, ge=1, le=100)
+    """Smallest number of steps (additions) of a problem, the Pareto law's scale."""
+    max_steps: int = Field(48, ge=1, le=200)
+    """Largest number of steps: the Pareto law is truncated here (the tail's mass sits at ``max_steps``)."""
+    tail_index: float = Field(1.2, gt=0.3, le=10.0)
+    """Pareto tail index alpha: ``P(steps >= s) = (min_steps / s) ** alpha``; smaller is heavier (1.2 by default)."""
+
+    @model_validator(mode="after")
+    def _check_steps(self) -> "ChainConfig":
+        if self.max_steps < self.min_steps:
+            raise ValueError(
+                f"data.chain.max_steps ({self.max_steps}) must be >= data.chain.min_steps ({self.min_steps})"
+            )
+        return self
+
+
 class SelectiveRolloutConfig(_Section):
     """Skip prompts predicted to give zero-variance groups before generating them (``data.selective_rollout.*``).
 
@@ -138,11 +169,13 @@ class DataConfig(_Section):
     """Prompts and rewards (``data.*``)."""
 
     task: str = "arithmetic"
-    """Prompt source: the built-in procedurally generated arithmetic task, a GSM8K-format file, or a local JSONL/parquet file."""
+    """Prompt source: a built-in procedurally generated task (``arithmetic``; ``chain``, running sums with heavy-tailed lengths), a GSM8K-format file, or a local JSONL/parquet file."""
     path: Path | None = None
     """File for ``gsm8k``/``jsonl``/``parquet`` tasks (``question``/``answer`` fields; ``answer`` may use GSM8K's ``####``)."""
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     """Difficulty knobs of the arithmetic task."""
+    chain: ChainConfig = ChainConfig()
+    """Difficulty and length knobs of the long-tailed ``chain`` task (running sums, heavy-tailed step counts)."""
     seed: int = Field(0, ge=0)
     """Seed of the train-prompt stream: the order the feeder cycles through the train split in, and the arithmetic task's train problems. Independent of ``run.seed`` (which seeds sampling and the trainer), so runs that differ only in ``run.seed`` see the same prompts in the same order: a paired comparison across seeds (bench/multiseed.py)."""
     num_train_prompts: int = Field(100_000, ge=1)

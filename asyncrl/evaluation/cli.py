@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncrl.core.choices import BUILTIN_TASKS
 from asyncrl.evaluation.evaluate import EvalError, evaluate
 
 __all__ = ["USAGE", "main"]
 
-USAGE = """usage: asyncrl eval [--model PATH_OR_NAME] [--task arithmetic|gsm8k|jsonl|parquet]
+USAGE = """usage: asyncrl eval [--model PATH_OR_NAME] [--task arithmetic|chain|gsm8k|jsonl|parquet]
                     [--num_problems 400] [--modes greedy,sampled] [--temperature 1.0]
                     [--max_new_tokens N] [--batch_size 128] [--seed 0] [--threads 2]
                     [--backend engine|hf] [--server_url URL]
@@ -37,7 +38,7 @@ process (--batch_size rows decode together); --backend hf with transformers gene
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl eval", add_help=False)
     p.add_argument("--model")
-    p.add_argument("--task", choices=["arithmetic", "gsm8k", "jsonl", "parquet"])
+    p.add_argument("--task", choices=list(BUILTIN_TASKS))
     p.add_argument("--num_problems", type=int, default=400)
     p.add_argument("--modes", default="greedy,sampled")
     p.add_argument("--temperature", type=float, default=1.0)
