@@ -52,6 +52,23 @@ def _train_one_step(trainer, vocab):
     train_loop(trainer, ListBatchSource([make_groups(2, vocab)]), max_steps=1)
 
 
+def _train_and_publish(cfg, tiny_model) -> tuple[list[float], list[tuple]]:
+    """One LoRA step of a fresh trainer on ``cfg``: the trained policy's logprobs of COMPLETION
+    (``_completion_logprobs`` of the PEFT engine, eval mode) and the ``(version, uri, checksum)``
+    announcements the trainer made (the trainer is closed)."""
+    from trainer.trainer import Trainer
+
+    announced: list[tuple] = []
+    trainer = Trainer(cfg, model=copy.deepcopy(tiny_model), announce=lambda v, u, c: announced.append((v, u, c)))
+    try:
+        _train_one_step(trainer, tiny_model.config.vocab_size)
+        trainer.module.eval()
+        want = _completion_logprobs(trainer.engine)
+    finally:
+        trainer.close()
+    return want, announced
+
+
 def test_lora_config_is_off_by_default_and_refuses_what_it_cannot_do(tmp_path, tiny_model_dir):
     assert make_cfg(tmp_path, tiny_model_dir).trainer.lora is None
     with pytest.raises(ConfigError, match="ema_eta"):
@@ -304,17 +321,8 @@ def test_lora_under_zero_publishes_the_adapter_peft_loads(tmp_path, tiny_model_d
     directory is a PEFT adapter: ``PeftModel.from_pretrained`` on the base gives the trainer's logprobs."""
     from peft import PeftModel
 
-    from trainer.trainer import Trainer
-
-    announced = []
-    trainer = Trainer(_lora_cfg(tmp_path, tiny_model_dir, zero_stage=zero_stage, loss={"kl_coef": 0.1}),
-                      model=copy.deepcopy(tiny_model), announce=lambda v, u, c: announced.append((v, u, c)))
-    try:
-        _train_one_step(trainer, tiny_model.config.vocab_size)
-        trainer.module.eval()
-        want = _completion_logprobs(trainer.engine)
-    finally:
-        trainer.close()
+    want, announced = _train_and_publish(_lora_cfg(tmp_path, tiny_model_dir, zero_stage=zero_stage,
+                                                   loss={"kl_coef": 0.1}), tiny_model)
     (_, uri, _), = announced
     loaded = PeftModel.from_pretrained(copy.deepcopy(tiny_model), uri).eval()
     got = _completion_logprobs(loaded)
@@ -325,20 +333,11 @@ def test_lora_under_zero_publishes_the_adapter_peft_loads(tmp_path, tiny_model_d
 def test_adapter_only_sync_over_nccl_on_gloo_matches_trainer_logprobs(tmp_path, tiny_model_dir, tiny_model):
     """``nccl`` over gloo: the trainer broadcasts only the adapter into a running engine, which
     merges it, reports its checksum and gives the trainer's logprobs to 1e-4."""
-    from trainer.trainer import Trainer
-
     server = start_embedded_server(tiny_model_dir)
     try:
         cfg = _lora_cfg(tmp_path, tiny_model_dir, transport="nccl")
         cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"server_urls": [server.url]})})
-        announced = []
-        trainer = Trainer(cfg, model=copy.deepcopy(tiny_model), announce=lambda v, u, c: announced.append((v, u, c)))
-        try:
-            _train_one_step(trainer, tiny_model.config.vocab_size)
-            trainer.module.eval()
-            want = _completion_logprobs(trainer.engine)
-        finally:
-            trainer.close()
+        want, announced = _train_and_publish(cfg, tiny_model)
         (version, uri, checksum), = announced
         verify_weights_dir(uri, checksum)  # durable on disk as well
 

@@ -6,7 +6,6 @@ the tiny random model, fp32; no SGLang here: no GPU)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 
 import pytest
@@ -20,7 +19,8 @@ from rollout_server.client import EngineClient, EngineError
 from rollout_server.testing import recompute_logprobs, start_embedded_server
 from rollout_server.worker import WorkerError
 from rollout_server.worker_weights import adapter_name
-from tests.test_lora import COMPLETION, PROMPT, _completion_logprobs, _lora_cfg, _publish_adapter, _train_one_step
+from tests.test_lora import (COMPLETION, PROMPT, _completion_logprobs, _lora_cfg, _publish_adapter,
+                             _train_and_publish)
 from tests.test_rollout_worker import TEMPERATURE, _feed, _prompt, _ready, _run_until, _settings, _worker
 from tests.test_rollout_worker import models, server_a, tokenizer  # noqa: F401 (fixtures)
 from tests.test_trainer import tiny_model  # noqa: F401 (fixture)
@@ -47,17 +47,7 @@ def test_trainer_adapter_loaded_by_name_gives_the_trainer_logprobs(tmp_path, tin
     """The real trainer publishes adapter v1 (disk); a ``by_name`` worker registers it on the engine
     under its versioned name without touching the base weights; a request naming it gets the
     trainer's logprobs to 1e-4, one naming none the base model's, bit for bit as before."""
-    from trainer.trainer import Trainer
-
-    announced = []
-    trainer = Trainer(_lora_cfg(tmp_path, tiny_model_dir, loss={"kl_coef": 0.1}), model=copy.deepcopy(tiny_model),
-                      announce=lambda v, u, c: announced.append((v, u, c)))
-    try:
-        _train_one_step(trainer, tiny_model.config.vocab_size)
-        trainer.module.eval()
-        want = _completion_logprobs(trainer.engine)
-    finally:
-        trainer.close()
+    want, announced = _train_and_publish(_lora_cfg(tmp_path, tiny_model_dir, loss={"kl_coef": 0.1}), tiny_model)
     (version, uri, checksum), = announced
     base = _completion_logprobs(tiny_model)
     assert _diff(want, base) > 1e-3  # the adapter changed the policy

@@ -42,6 +42,7 @@ __all__ = [
     "HELDOUT_PERCENT",
     "Problem",
     "Prompt",
+    "GeneratedTask",
     "TaskError",
     "Task",
     "ArithmeticTask",
@@ -141,7 +142,28 @@ class Task(ABC):
 # arithmetic
 
 
-class ArithmeticTask(Task):
+class GeneratedTask(Task):
+    """A task whose problems are drawn from a seeded generator (``arithmetic``, ``chain``).
+
+    Args:
+        cfg: the task's config section (``data.arithmetic`` / ``data.chain``).
+        num_train: how many train problems one epoch visits (``data.num_train_prompts``).
+        seed: the generator's seed for train problems (``data.seed``); held-out problems never
+            depend on it.
+        heldout_percent: the share of hash buckets held out (``data.heldout_percent``).
+    """
+
+    def __init__(self, cfg: Any, num_train: int, seed: int = 0, heldout_percent: int = HELDOUT_PERCENT):
+        self.cfg = cfg
+        self._num_train = num_train
+        self.seed = seed
+        self.heldout_percent = heldout_percent
+
+    def num_train(self) -> int:
+        return self._num_train
+
+
+class ArithmeticTask(GeneratedTask):
     """Procedurally generated integer arithmetic: ``What is 37 - 5 * 12?``.
 
     Operand ``i`` is uniform in ``[0, 10**digits[i] - 1]``; operators are drawn uniformly from
@@ -153,15 +175,7 @@ class ArithmeticTask(Task):
     """
 
     name = "arithmetic"
-
-    def __init__(self, cfg: ArithmeticConfig, num_train: int, seed: int = 0, heldout_percent: int = HELDOUT_PERCENT):
-        self.cfg = cfg
-        self._num_train = num_train
-        self.seed = seed
-        self.heldout_percent = heldout_percent
-
-    def num_train(self) -> int:
-        return self._num_train
+    cfg: ArithmeticConfig
 
     def _draw(self, rng: random.Random) -> tuple[str, int]:
         terms = [rng.randint(0, 10**d - 1) for d in self.cfg.digits_per_term]
@@ -256,7 +270,7 @@ def chain_solution(numbers: list[int]) -> str:
     return "\n".join(lines)
 
 
-class ChainTask(Task):
+class ChainTask(GeneratedTask):
     """Running sums whose length follows a heavy-tailed law: ``Add these numbers step by step: 3, 5, 2, 7``.
 
     A problem has ``steps + 1`` numbers, each uniform in ``[1, 10**digits - 1]``; ``steps`` is drawn
@@ -277,16 +291,8 @@ class ChainTask(Task):
     """
 
     name = "chain"
+    cfg: ChainConfig
     _MAX_REDRAWS = 1000
-
-    def __init__(self, cfg: ChainConfig, num_train: int, seed: int = 0, heldout_percent: int = HELDOUT_PERCENT):
-        self.cfg = cfg
-        self._num_train = num_train
-        self.seed = seed
-        self.heldout_percent = heldout_percent
-
-    def num_train(self) -> int:
-        return self._num_train
 
     def _numbers(self, rng: random.Random, steps: int) -> list[int]:
         top = 10**self.cfg.digits - 1
