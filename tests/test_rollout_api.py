@@ -386,8 +386,10 @@ async def test_update_weights_errors_change_nothing(srv, tmp_path):
 
 async def test_info_endpoints(srv):
     info = json.loads((await get(srv.url, "/get_model_info"))[1])
+    # SGLang's fields, plus the embedded engine's LoRA state (the merged adapter, the named ones)
     assert set(info) == {"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version",
-                         "has_image_understanding", "has_audio_understanding"}
+                         "has_image_understanding", "has_audio_understanding", "lora_adapter", "lora_adapters"}
+    assert info["lora_adapter"] is None and info["lora_adapters"] == {}
     server = json.loads((await get(srv.url, "/get_server_info"))[1])
     for key in ("incremental_streaming_output", "weight_version", "max_total_num_tokens", "version", "model_path"):
         assert key in server
