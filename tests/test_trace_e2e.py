@@ -62,7 +62,8 @@ def test_trace_of_a_real_run_with_a_killed_server_and_a_resume(tmp_path, tiny_mo
     assert resumed, "no parked sample was resumed"
     # a sample on two servers: within the first session only when the other server claims it first (a
     # race: a quiet machine resumes most parked samples on the server that parked them); across the
-    # resume below always, as the resumed run's servers are new processes with new worker ids
+    # resume below as a rule: the resumed run's servers are new processes, and a worker id carries
+    # its process id (rollout_server/role.py), so a sample parked at the stop resumes under a new id
     moved_first = any(len({sg.worker for sg in lf.segments if sg.kind == "generate"}) > 1 for lf in lives)
     # the killed server's leases were reclaimed by the next claim (park or requeue, reason lease), or its
     # samples were still parked/complete then; either way no event has a time before its predecessor
