@@ -13,6 +13,12 @@ the machine hits every arm alike, and reports for each arm:
   arm)`` (> 1: the arm is sooner), with a 95% percentile-bootstrap interval over seeds (Efron &
   Tibshirani 1993, ch. 13); a seed that never reached the level counts with its whole training
   time, so such a ratio is a bound and is marked ``censored``;
+- the time to the reference arm's best: for each seed, the level is the reference run's best
+  held-out accuracy, the reference's time is when it first reached it and the arm's when it first
+  reached the same level (issue 28's "time to the synchronous run's best"), as a bootstrapped
+  ratio like the others;
+- each run's idle ratio per role (the controller's ``idle_ratio/<role>``, the share of wall time
+  the role waited, averaged over the run) and, per step, publish seconds and bytes;
 - per-step training records of every run (train reward, behaviour KL, importance weights,
   entropy, gradient norm, staleness), so that a collapse can be read off the raw JSON.
 
@@ -71,7 +77,8 @@ ARMS: dict[str, list[str]] = {
 STEP_FIELDS = ("reward/mean", "reward/std", "train/behaviour_kl", "train/importance_weight_mean",
                "train/importance_weight_max", "train/importance_weight_capped_fraction", "train/clip_fraction",
                "train/entropy", "train/grad_norm", "train/advantage_std", "train/response_tokens", "train/samples",
-               "staleness/mean", "staleness/max", "time/step_seconds", "time/wait_batch_seconds")
+               "staleness/mean", "staleness/max", "time/step_seconds", "time/wait_batch_seconds",
+               "time/publish_seconds", "train/publish_bytes")
 
 
 #: Run totals kept from the controller's records (their last value).
@@ -265,9 +272,41 @@ def time_ratio(ref_runs: Sequence[dict], arm_runs: Sequence[dict], level: float,
     return {**bootstrap_ratio(num, den, **kw), "censored": censored, "seeds": seeds}
 
 
+def time_to_ref_best(ref_runs: Sequence[dict], arm_runs: Sequence[dict], **kw: Any) -> dict | None:
+    """How much sooner ``arm_runs`` reach the reference's best than the reference itself, bootstrapped.
+
+    For each seed in both arms, the level is the reference run's best held-out accuracy; the
+    reference's time is the first evaluation at that level, the arm's the first at or above it
+    (issue 28: "time to the synchronous run's best"). An arm seed that never got there counts
+    with its training minutes (a lower bound) and marks the result ``censored``.
+
+    Returns:
+        :func:`bootstrap_ratio`'s dict (ref time / arm time; > 1: the arm is sooner) plus
+        ``censored``, ``seeds`` and ``levels`` (each seed's reference best); None without a common
+        seed.
+    """
+    ref = {r["seed"]: r for r in ref_runs}
+    arm = {r["seed"]: r for r in arm_runs}
+    seeds = sorted(set(ref) & set(arm))
+    if not seeds:
+        return None
+    num, den, levels, censored = [], [], [], False
+    for s in seeds:
+        level = max(p["accuracy"] for p in ref[s]["curve"])
+        t_ref = time_to(ref[s]["curve"], level)
+        t_arm = time_to(arm[s]["curve"], level)
+        if t_arm is None:
+            censored, t_arm = True, arm[s]["train_minutes"]
+        num.append(max(t_ref, 1e-6))
+        den.append(max(t_arm, 1e-6))
+        levels.append(level)
+    return {**bootstrap_ratio(num, den, **kw), "censored": censored, "seeds": seeds, "levels": levels}
+
+
 def compute_stats(report: dict) -> dict:
     """Every arm's :func:`arm_stats` and, against the first arm listed in ``report["arms"]``, the
-    ratios of times to each threshold and to the reference arm's mean best (in place; returned)."""
+    ratios of times to each threshold and to the reference run's best, seed by seed
+    (:func:`time_to_ref_best`, key ``ref_best``) (in place; returned)."""
     # Timed runs evaluate on the same steps too (every eval_every): line them up by step.
     key = "step"
     minutes = report["settings"].get("minutes")
@@ -281,6 +320,7 @@ def compute_stats(report: dict) -> dict:
         ratios: dict[str, Any] = {}
         for a in arms[1:]:
             ratios[a] = {f"{round(lv * 100)}%": time_ratio(by_arm[ref], by_arm[a], lv) for lv in THRESHOLDS}
+            ratios[a]["ref_best"] = time_to_ref_best(by_arm[ref], by_arm[a])
         stats["ratios_vs"] = ref
         stats["ratios"] = ratios
     report["stats"] = stats
@@ -300,15 +340,22 @@ def read_run(run_dir: Path) -> dict:
 
     Returns:
         ``{"curve": [{minutes, step, accuracy, ci95_low, ci95_high}], "steps": [{step, minutes,
-        <STEP_FIELDS>}], "train_minutes", "final_step", "books"}`` (minutes of training wall time,
-        evaluation excluded; ``books``: the controller's last value of each :data:`BOOK_FIELDS`).
+        <STEP_FIELDS>}], "train_minutes", "final_step", "books", "idle"}`` (minutes of training wall
+        time, evaluation excluded; ``books``: the controller's last value of each
+        :data:`BOOK_FIELDS`; ``idle``: role -> mean of its ``idle_ratio/<role>`` records, a share in
+        [0, 1] of the wall time the role waited, from the controller's records, or the trainer's own
+        when the controller has none for it).
     Raises:
         FileNotFoundError: the run directory has no controller records.
     """
     curve, steps, books, last_wall = [], [], {}, 0.0
+    idle: dict[str, list[float]] = {}
     for line in (run_dir / "metrics-controller.jsonl").read_text().splitlines():
         rec = json.loads(line) if line.strip() else {}
         books.update({k: v for k, v in rec.items() if k in BOOK_FIELDS})
+        for k, v in rec.items():
+            if k.startswith("idle_ratio/") and isinstance(v, (int, float)):
+                idle.setdefault(k.split("/", 1)[1], []).append(float(v))
         last_wall = max(last_wall, float(rec.get("wall_seconds", 0.0)))
         if "eval/accuracy_sampled" in rec:
             curve.append({"minutes": rec["wall_seconds"] / 60.0, "step": rec["step"],
@@ -323,9 +370,14 @@ def read_run(run_dir: Path) -> dict:
             row = {"step": rec["step"], "minutes": rec.get("wall_seconds", 0.0) / 60.0}
             row.update({k: rec[k] for k in STEP_FIELDS if k in rec})
             steps.append(row)
+            if "idle_ratio/trainer" in rec and "trainer" not in idle:  # the controller's records lack it
+                idle.setdefault("trainer_records", []).append(float(rec["idle_ratio/trainer"]))
+    if "trainer_records" in idle:
+        idle.setdefault("trainer", idle.pop("trainer_records"))
     train_minutes = max(last_wall / 60.0, steps[-1]["minutes"] if steps else 0.0)
     return {"curve": curve, "steps": steps, "train_minutes": train_minutes,
-            "final_step": steps[-1]["step"] if steps else 0, "books": books}
+            "final_step": steps[-1]["step"] if steps else 0, "books": books,
+            "idle": {role: _mean(v) for role, v in sorted(idle.items()) if v}}
 
 
 def run_asyncrl(out_dir: Path, arm: str, seed: int, flags: list[str], settings: dict) -> dict:
@@ -375,14 +427,32 @@ def prune_run_dir(run_dir: Path) -> int:
 
 
 def run_trl_seed(out_dir: Path, seed: int, settings: dict) -> dict:
-    """TRL's GRPOTrainer (bench/trl_compare.py) for ``settings["minutes"]`` with ``seed``."""
+    """TRL's GRPOTrainer (bench/trl_compare.py) for ``settings["minutes"]`` with ``seed``, on the
+    comparison's config (its model, task, prompts, reward and knobs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from trl_compare import run_trl  # needs trl importable
 
     curve, summary = run_trl(out_dir / f"trl-s{seed}", settings["minutes"] * 60.0, settings.get("save_every", 90.0),
-                             settings.get("threads", 2), settings["num_problems"], seed=seed)
+                             settings.get("threads", 2), settings["num_problems"], seed=seed,
+                             config=ROOT / settings["config"])
     return {"curve": curve, "steps": [], "train_minutes": summary["wall_seconds"] / 60.0,
             "final_step": summary["steps"]}
+
+
+def reread(report: dict, out_dir: Path) -> int:
+    """Refresh the recorded runs (in place) from their run directories ``out_dir/<arm>-s<seed>``.
+
+    The run records of :func:`read_run` (curve, steps, books, idle, minutes) are read again; the
+    arm, seed, commit and times of the record stay. Runs without a directory (e.g. TRL's) are left
+    as they are. Returns how many runs were refreshed.
+    """
+    n = 0
+    for r in report["runs"]:
+        d = out_dir / f"{r['arm']}-s{r['seed']}"
+        if (d / "metrics-controller.jsonl").exists():
+            r.update(read_run(d))
+            n += 1
+    return n
 
 
 def plan(arms: Sequence[str], seeds: Iterable[int], done: set[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -505,16 +575,62 @@ def markdown(report: dict) -> str:
                          f"{d['max_behaviour_kl']:.3f} ({d['max_behaviour_kl_step']}) | {d['entropy_steps_9_12']:.2f} | "
                          f"{d['max_importance_weight']:.1f} | {d['max_clip_fraction']:.3f} | "
                          f"{d['zero_variance_share']:.2f} | {d['restarts']} |")
+    lines += run_costs_markdown(report, arms)
     if st.get("ratios"):
-        lines += ["", f"| time ratio {st['ratios_vs']} / arm (> 1: the arm is sooner) | 60% | 70% | 80% |", "|---|---|---|---|"]
+        lines += ["", f"| time ratio {st['ratios_vs']} / arm (> 1: the arm is sooner) | 60% | 70% | 80% | "
+                  f"{st['ratios_vs']}'s best (each seed's level) |", "|---|---|---|---|---|"]
         for a, per in st["ratios"].items():
             cells = []
-            for lv in ("60%", "70%", "80%"):
+            for lv in ("60%", "70%", "80%", "ref_best"):
                 r = per.get(lv)
-                cells.append("—" if r is None else f"{r['ratio']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
-                             + (" (censored)" if r["censored"] else ""))
+                cell = "—" if r is None else (f"{r['ratio']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+                                              + (" (censored)" if r["censored"] else ""))
+                if r is not None and lv == "ref_best":
+                    cell += " (" + ", ".join(f"{100 * v:.1f}" for v in r["levels"]) + ")"
+                cells.append(cell)
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run_costs(run: dict) -> dict:
+    """What a run's records say about where its time went (empty for runs without records, e.g. TRL).
+
+    Returns:
+        ``{"idle": {role: share}, "seconds_per_step", "publish_seconds", "publish_megabytes"}`` where
+        present: the run's mean idle ratio per role (:func:`read_run`), its training minutes per step
+        in seconds, and the mean publish seconds and megabytes (10^6 bytes) per step.
+    """
+    out: dict[str, Any] = {}
+    if run.get("idle"):
+        out["idle"] = run["idle"]
+    if run.get("final_step"):
+        out["seconds_per_step"] = 60.0 * run["train_minutes"] / run["final_step"]
+    steps = run.get("steps", [])
+    for key, name, scale in (("time/publish_seconds", "publish_seconds", 1.0),
+                             ("train/publish_bytes", "publish_megabytes", 1e-6)):
+        vals = [s[key] for s in steps if key in s]
+        if vals:
+            out[name] = scale * _mean(vals)
+    return out
+
+
+def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
+    """A table of :func:`run_costs` per run (no lines when no run has records)."""
+    rows = [(r, run_costs(r)) for r in sorted(report["runs"], key=lambda r: (arms.index(r["arm"]) if r["arm"] in arms
+                                                                              else 99, r["seed"]))]
+    rows = [(r, c) for r, c in rows if c.get("idle") or "publish_seconds" in c]
+    if not rows:
+        return []
+    roles = sorted({role for _, c in rows for role in c.get("idle", {})})
+    fmt = lambda c, k, f: "—" if k not in c else format(c[k], f)  # noqa: E731
+    lines = ["", "| run | s per step | " + " | ".join(f"idle {role}" for role in roles)
+             + " | publish s per step | publish MB per step |", "|---|---|" + "---|" * (len(roles) + 2)]
+    for r, c in rows:
+        idle = c.get("idle", {})
+        lines.append(f"| {r['arm']} s{r['seed']} | {fmt(c, 'seconds_per_step', '.1f')} | "
+                     + " | ".join("—" if role not in idle else f"{idle[role]:.2f}" for role in roles)
+                     + f" | {fmt(c, 'publish_seconds', '.2f')} | {fmt(c, 'publish_megabytes', '.1f')} |")
+    return lines
 
 
 def config_digest(path: str | Path) -> str:
@@ -574,11 +690,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep_run_files", action="store_true",
                     help="keep each run's checkpoints and every weight version (default: keep the newest weights only)")
     ap.add_argument("--markdown", action="store_true", help="with --replot: print the tables for docs/results.md")
+    ap.add_argument("--reread", type=Path, default=None, metavar="OUT_DIR",
+                    help="with --replot: refresh each recorded run from its run directory OUT_DIR/<arm>-s<seed> "
+                         "(records a newer harness reads, e.g. idle ratios and publish costs)")
     args = ap.parse_args(argv)
     report = json.loads(args.json.read_text()) if args.json.exists() else None
     if args.replot:
         if report is None:
             ap.error(f"--replot: {args.json} does not exist")
+        if args.reread is not None:
+            print(f"multiseed: refreshed {reread(report, args.reread)} runs from {args.reread}", file=sys.stderr)
         compute_stats(report)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         if args.plot:

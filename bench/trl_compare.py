@@ -54,10 +54,10 @@ CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
 THRESHOLDS = (0.6, 0.7, 0.8)
 
 
-def eval_model(model_dir: Path, num_problems: int, threads: int, seed: int = 0) -> dict:
+def eval_model(model_dir: Path, num_problems: int, threads: int, seed: int = 0, config: Path = CONFIG) -> dict:
     """``asyncrl eval`` (sampled, T = 1, sampling seed ``seed`` as an asyncrl run's ``run.seed``) of
-    one model directory; the sampled result dict."""
-    cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(CONFIG), "--model", str(model_dir),
+    one model directory on ``config``'s held-out problems; the sampled result dict."""
+    cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(config), "--model", str(model_dir),
            "--modes", "sampled", "--num_problems", str(num_problems), "--threads", str(threads), "--json",
            "--seed", str(seed)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
@@ -71,9 +71,12 @@ def _env() -> dict[str, str]:
 
 
 def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
-            num_problems: int, seed: int = 0) -> tuple[list[dict], dict]:
+            num_problems: int, seed: int = 0, config: Path = CONFIG) -> tuple[list[dict], dict]:
     """TRL GRPOTrainer for ``seconds`` of training (``seed``: TRL's seed, i.e. its sampling and
-    initialisation; the prompt stream is asyncrl's, fixed by ``data.seed``).
+    initialisation; the prompt stream is asyncrl's, fixed by ``data.seed``) on ``config``'s model,
+    task, prompts (chat template and any assistant prefill included, as asyncrl renders them),
+    reward (``data.reward``, with the prefill in front of the completion as asyncrl's reward sees
+    it), response cap, learning rate and group shape.
 
     Returns (curve, summary): [{minutes, step, accuracy, ci95_low, ci95_high}] (minute 0 is the
     base model) and {steps, wall_seconds, seconds_per_step}.
@@ -85,20 +88,28 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
 
     from asyncrl.core.config import load_config
     from asyncrl.models import resolve_model_path
-    from asyncrl.tasks.rewards import math_verify_reward
+    from asyncrl.tasks.rewards import load_reward_fn
     from asyncrl.tasks.tasks import TrainPromptStream
 
     torch.set_num_threads(threads)
-    cfg = load_config(["--config", str(CONFIG)], environ={})
+    cfg = load_config(["--config", str(config)], environ={})
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.data.seed)
     n_prompts = 6 * 400  # more than any run here consumes
     rows = [stream.get(c) for c in range(n_prompts)]
-    data = Dataset.from_dict({"prompt": [r.prompt_text for r in rows], "gold": [r.problem.gold for r in rows]})
+    if cfg.data.format_reward_weight:
+        raise SystemExit(f"run_trl: {config} sets data.format_reward_weight; the TRL arm scores correctness only")
+    score = load_reward_fn(cfg.data.reward)
+    data = Dataset.from_dict({"prompt": [r.prompt_text for r in rows],
+                              "meta": [json.dumps({**r.problem.metadata, "gold": r.problem.gold}) for r in rows]})
 
-    def reward(completions, gold, **_):
-        return [math_verify_reward("", c, {"gold": g}) for c, g in zip(completions, gold)]
+    def reward(prompts, completions, meta, **_):
+        out = []
+        for p, c, m in zip(prompts, completions, meta):
+            md = json.loads(m)
+            out.append(float(score(p, md.get("response_prefix", "") + c, md)))
+        return out
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = GRPOConfig(
@@ -140,9 +151,9 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
-    curve = [{"minutes": 0.0, "step": 0, **_acc(eval_model(model_dir, num_problems, threads, seed))}]
+    curve = [{"minutes": 0.0, "step": 0, **_acc(eval_model(model_dir, num_problems, threads, seed, config))}]
     for t, step, path in snapshots:
-        curve.append({"minutes": t / 60.0, "step": step, **_acc(eval_model(path, num_problems, threads, seed))})
+        curve.append({"minutes": t / 60.0, "step": step, **_acc(eval_model(path, num_problems, threads, seed, config))})
         print("trl", json.dumps(curve[-1]), flush=True)
     summary = {"steps": clock.steps, "wall_seconds": clock.train_seconds,
                "seconds_per_step": clock.train_seconds / clock.steps if clock.steps else None}

@@ -95,6 +95,38 @@ def test_parse_arms(ms):
         ms.parse_arms(" , ", [])
 
 
+def test_time_to_ref_best_uses_each_reference_seeds_best_as_the_level(ms):
+    # sync seed 1 peaks at 0.85 (step 50, minute 8), seed 2 at 0.80 (minute 4, before a dip)
+    ref = [_run("sync", 1, [(0, 0, 0.2), (25, 4.0, 0.6), (50, 8.0, 0.85)]),
+           _run("sync", 2, [(0, 0, 0.2), (25, 4.0, 0.80), (50, 8.0, 0.7)])]
+    arm = [_run("async", 1, [(0, 0, 0.2), (25, 2.0, 0.86), (50, 4.0, 0.9)]),
+           _run("async", 2, [(0, 0, 0.2), (25, 2.0, 0.79), (50, 4.0, 0.80)])]
+    r = ms.time_to_ref_best(ref, arm)
+    assert r["levels"] == [0.85, 0.80] and r["seeds"] == [1, 2] and not r["censored"]
+    assert r["ratio"] == pytest.approx((8.0 + 4.0) / (2.0 + 4.0))  # at or above the level, 0.79 is not
+    # an arm seed that never gets there stands in with its training minutes, and says so
+    arm[1] = _run("async", 2, [(0, 0, 0.2), (25, 2.0, 0.79)], train_minutes=5.0)
+    r = ms.time_to_ref_best(ref, arm)
+    assert r["censored"] and r["ratio"] == pytest.approx(12.0 / 7.0)
+    assert ms.time_to_ref_best(ref, [_run("async", 9, [(0, 0, 0.9)])]) is None  # no common seed
+
+
+def test_run_costs_and_their_table(ms):
+    run = {**_run("async", 1, [(0, 0, 0.2), (50, 10.0, 0.8)]), "final_step": 50,
+           "idle": {"rollout-0": 0.05, "trainer": 0.4},
+           "steps": [{"step": 1, "time/publish_seconds": 1.0, "train/publish_bytes": 2e6},
+                     {"step": 2, "time/publish_seconds": 2.0, "train/publish_bytes": 4e6}]}
+    c = ms.run_costs(run)
+    assert c == {"idle": {"rollout-0": 0.05, "trainer": 0.4}, "seconds_per_step": pytest.approx(12.0),
+                 "publish_seconds": pytest.approx(1.5), "publish_megabytes": pytest.approx(3.0)}
+    trl = {**_run("trl", 1, [(0, 0, 0.2)]), "final_step": 0, "steps": []}
+    assert ms.run_costs(trl) == {}
+    lines = ms.run_costs_markdown({"runs": [run, trl]}, ["async", "trl"])
+    assert lines[1] == "| run | s per step | idle rollout-0 | idle trainer | publish s per step | publish MB per step |"
+    assert lines[3] == "| async s1 | 12.0 | 0.05 | 0.40 | 1.50 | 3.0 |" and len(lines) == 4  # TRL has no row
+    assert ms.run_costs_markdown({"runs": [trl]}, ["trl"]) == []
+
+
 def test_compute_stats_and_replot_from_json(ms, tmp_path):
     runs = [_run("async", s, [(0, 0, 0.2), (25, 3.0, 0.7 + 0.02 * s), (50, 6.0, 0.85)]) for s in (1, 2, 3)]
     runs += [_run("sync", s, [(0, 0, 0.2), (25, 4.0, 0.75), (50, 8.0, 0.8 + 0.01 * s)]) for s in (1, 2, 3)]
@@ -162,6 +194,33 @@ def test_read_run_from_a_run_directory(ms, tmp_path):
     assert rec["final_step"] == 5 and rec["train_minutes"] == pytest.approx(1.5)
     assert rec["steps"][0] == {"step": 1, "minutes": pytest.approx(0.3), "reward/mean": 0.1, "train/behaviour_kl": 0.01}
     assert rec["books"] == {"buffer/zero_variance_share": 0.5, "buffer/restarts": 4}
+    assert rec["idle"] == {}  # these records carry no idle ratios
+
+
+def test_read_run_idle_ratios_and_reread(ms, tmp_path):
+    run = tmp_path / "async-s1"
+    run.mkdir()
+    ctl = [{"step": 1, "wall_seconds": 10.0, "idle_ratio/rollout-0": 0.0},
+           {"step": 2, "wall_seconds": 20.0, "idle_ratio/rollout-0": 0.5, "eval/accuracy_sampled": 0.3,
+            "eval/ci95_low": 0.2, "eval/ci95_high": 0.4}]
+    (run / "metrics-controller.jsonl").write_text("\n".join(json.dumps(r) for r in ctl) + "\n")
+    tr = [{"step": s, "wall_seconds": 10.0 * s, "reward/mean": 0.5, "idle_ratio/trainer": 0.2 * s,
+           "time/publish_seconds": 1.5, "train/publish_bytes": 1e6} for s in (1, 2)]
+    (run / "metrics-trainer.jsonl").write_text("\n".join(json.dumps(r) for r in tr) + "\n")
+    rec = ms.read_run(run)
+    assert rec["idle"] == {"rollout-0": pytest.approx(0.25), "trainer": pytest.approx(0.3)}
+    assert rec["steps"][0]["time/publish_seconds"] == 1.5 and rec["steps"][0]["train/publish_bytes"] == 1e6
+    # --replot --reread refreshes a recorded run from its directory and keeps what the harness added
+    old = {**_run("async", 1, [(0, 0, 0.2)]), "commit": "abc", "steps": [], "books": {}}
+    trl = _run("trl", 1, [(0, 0, 0.2)])
+    report = {"title": "t", "settings": {"steps": 2, "minutes": None, "config": "c", "eval_every": 2, "num_problems": 400},
+              "arms": ["async", "trl"], "arm_flags": {"async": [], "trl": None}, "runs": [old, trl]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert ms.main(["--replot", "--json", str(path), "--reread", str(tmp_path)]) == 0
+    out = json.loads(path.read_text())["runs"]
+    assert out[0]["commit"] == "abc" and out[0]["idle"]["trainer"] == pytest.approx(0.3)
+    assert [p["step"] for p in out[0]["curve"]] == [2] and out[1] == trl
 
 
 def test_run_seed_varies_sampling_while_data_seed_fixes_the_prompts(tiny_model_dir):
