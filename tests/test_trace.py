@@ -10,7 +10,7 @@ import asyncio
 import json
 
 from asyncrl.core.types import WorkKind
-from asyncrl.metrics.trace import build_trace, load_lives, main as trace_main, validate_trace
+from asyncrl.metrics.trace import build_trace, first_event_ms, load_lives, main as trace_main, validate_trace
 from buffers import BufferSettings, ReplayBuffer
 from buffers.timeline import TimelineWriter, read_records, trace_files
 
@@ -227,8 +227,16 @@ async def test_cli_writes_json_and_png(redis_url, tmp_path):
     one = json.loads((tmp_path / "one.json").read_text())
     assert {e["args"]["sample"] for e in one["traceEvents"] if e["ph"] == "X" and "sample" in e["args"]} == {"g0/1"}
     assert trace_main([str(run_dir), "--step", "3", "--out", str(tmp_path / "s.json")]) == 0
-    assert trace_main([str(run_dir), "--minutes", "0-5", "--out", str(tmp_path / "m.json")]) == 0
+    assert trace_main([str(run_dir), "--minutes", "0-5", "--out", str(tmp_path / "m.json"), "--png"]) == 0
+    assert (tmp_path / "m.png").stat().st_size > 1000
     assert trace_main([str(tmp_path / "empty")]) == 2
+    # a selection keeps the run's time origin: the same slice has the same ts in both traces
+    lives, other = load_lives(read_records(run_dir / "trace"))
+    t0 = first_event_ms(lives, other)
+    shifted = build_trace(lives, other, t0 - 1000)
+    slices = lambda tr: sorted((e["name"], e["ts"]) for e in tr["traceEvents"] if e["ph"] == "X")  # noqa: E731
+    assert slices(shifted) == sorted((n, ts + 1_000_000) for n, ts in slices(build_trace(lives, other)))
+    assert slices(one) and set(slices(one)) <= set(slices(trace))
 
 
 async def test_a_timeline_stops_growing_at_its_cap(redis_url):

@@ -39,7 +39,7 @@ from typing import Any, Iterable
 
 from buffers.timeline import TimelineEvent, parse_events, read_records
 
-__all__ = ["Segment", "SampleLife", "load_lives", "build_trace", "validate_trace", "plot_timeline", "main"]
+__all__ = ["Segment", "SampleLife", "load_lives", "first_event_ms", "build_trace", "validate_trace", "plot_timeline", "main"]
 
 #: events that end an open segment, with the status they leave the sample in
 _SEGMENT_END = {"complete", "park", "requeue", "turn", "restart", "drop", "discard"}
@@ -174,11 +174,22 @@ def _flow_id(sample_id: str) -> int:
     return zlib.crc32(sample_id.encode()) & 0x7FFFFFFF
 
 
-def build_trace(lives: list[SampleLife], other: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trace-event JSON object (``{"traceEvents": [...], "displayTimeUnit": "ms"}``) of these lives."""
-    ev: list[dict[str, Any]] = []
+def first_event_ms(lives: list[SampleLife], other: list[dict[str, Any]]) -> int:
+    """The earliest time (Redis server clock, ms since the epoch) among these lives' events and these
+    other records; 0 when there is none. A run's first recorded event is the origin of its trace."""
     times = [e.t_ms for lf in lives for e in lf.events] + [int(r.get("t") or r.get("created") or 0) for r in other]
-    t0 = min([t for t in times if t] or [0])
+    return min([t for t in times if t] or [0])
+
+
+def build_trace(lives: list[SampleLife], other: list[dict[str, Any]], t0_ms: int | None = None) -> dict[str, Any]:
+    """The trace-event JSON object (``{"traceEvents": [...], "displayTimeUnit": "ms"}``) of these lives.
+
+    ``t0_ms``: the time origin (Redis server clock, ms): ``ts`` values are microseconds since it.
+    None: the earliest of these lives' events (:func:`first_event_ms`); ``asyncrl trace`` passes the
+    whole run's first event, so that a selection keeps the run's times.
+    """
+    ev: list[dict[str, Any]] = []
+    t0 = first_event_ms(lives, other) if t0_ms is None else int(t0_ms)
 
     def us(t_ms: int) -> int:
         return (int(t_ms) - t0) * 1000
@@ -329,7 +340,7 @@ def validate_trace(obj: Any) -> list[str]:
 
 
 def _select(lives: list[SampleLife], other: list[dict[str, Any]], sample: str | None, step: int | None,
-            minutes: tuple[float, float] | None) -> tuple[list[SampleLife], list[dict[str, Any]]]:
+            minutes: tuple[float, float] | None, t0_ms: int | None = None) -> tuple[list[SampleLife], list[dict[str, Any]]]:
     if sample:
         lives = [lf for lf in lives if lf.sample_id == sample or lf.group_id == sample]
         steps = {lf.step for lf in lives}
@@ -338,7 +349,7 @@ def _select(lives: list[SampleLife], other: list[dict[str, Any]], sample: str | 
         lives = [lf for lf in lives if lf.step == step]
         other = [r for r in other if r.get("kind") == "batch" and r.get("step") == step]
     if minutes is not None:
-        t0 = min([e.t_ms for lf in lives for e in lf.events] or [0])
+        t0 = first_event_ms(lives, other) if t0_ms is None else t0_ms
         lo, hi = t0 + minutes[0] * 60000, t0 + minutes[1] * 60000
         lives = [lf for lf in lives if lf.events and lf.events[0].t_ms <= hi and lf.events[-1].t_ms >= lo]
         for lf in lives:
@@ -347,15 +358,19 @@ def _select(lives: list[SampleLife], other: list[dict[str, Any]], sample: str | 
     return lives, other
 
 
-def plot_timeline(lives: list[SampleLife], other: list[dict[str, Any]], path: str | Path) -> None:
+def plot_timeline(lives: list[SampleLife], other: list[dict[str, Any]], path: str | Path, t0_ms: int | None = None,
+                  window_s: tuple[float, float] | None = None) -> None:
     """Draw the timeline with matplotlib: one row per server lane and the trainer, segments as bars
-    coloured by the policy version they were claimed under, train steps as bars on the trainer row."""
+    coloured by the policy version they were claimed under, train steps as bars on the trainer row.
+
+    ``t0_ms``: the time origin, as :func:`build_trace`'s; ``window_s``: (start, end) seconds since it to
+    show (``--minutes``), bars that extend beyond it are cut at its edges; None shows everything."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    trace = build_trace(lives, other)
+    trace = build_trace(lives, other, t0_ms)
     names = {}
     for e in trace["traceEvents"]:
         if e["ph"] == "M" and e["name"] == "process_name":
@@ -377,10 +392,14 @@ def plot_timeline(lives: list[SampleLife], other: list[dict[str, Any]], path: st
     labels = [f"{names.get((pid, None), pid)} / {'steps' if pid == 1 else f'lane {tid - 1}'}" for (pid, tid) in rows]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since the first recorded event (Redis server clock)")
+    ax.set_xlabel("seconds since the run's first recorded event (Redis server clock)"
+                  if t0_ms is not None else "seconds since the first recorded event (Redis server clock)")
+    if window_s is not None:
+        ax.set_xlim(*window_s)
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, vmax))
     fig.colorbar(sm, ax=ax, label="policy version at claim")
-    ax.set_title(f"sample timeline: {len(lives)} samples")
+    span = "" if window_s is None else f", alive in minutes {window_s[0] / 60:g}-{window_s[1] / 60:g}"
+    ax.set_title(f"sample timeline: {len(lives)} samples{span}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -393,7 +412,7 @@ def main(argv: list[str]) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--sample", default=None, help="one sample (gid/i) or every sample of a group (gid)")
     which.add_argument("--step", type=int, default=None, help="the samples trained at this step")
-    which.add_argument("--minutes", default=None, help="A-B: minutes since the first recorded event")
+    which.add_argument("--minutes", default=None, help="A-B: minutes since the run's first recorded event")
     parser.add_argument("--out", type=Path, default=None, help="output file (default RUN_DIR/trace/trace.json)")
     parser.add_argument("--png", action="store_true", help="also draw the timeline to <out>.png with matplotlib")
     args = parser.parse_args(argv)
@@ -410,8 +429,10 @@ def main(argv: list[str]) -> int:
         print(f"asyncrl trace: no timeline records under {args.run_dir / 'trace'} (they are exported after each "
               "commit, i.e. each checkpoint)", file=sys.stderr)
         return 2
-    lives, other = _select(*load_lives(records), args.sample, args.step, minutes)
-    trace = build_trace(lives, other)
+    all_lives, all_other = load_lives(records)
+    t0 = first_event_ms(all_lives, all_other)  # the run's origin, whatever is selected
+    lives, other = _select(all_lives, all_other, args.sample, args.step, minutes, t0)
+    trace = build_trace(lives, other, t0)
     out = args.out or args.run_dir / "trace" / "trace.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(trace))
@@ -419,6 +440,6 @@ def main(argv: list[str]) -> int:
           "(open in https://ui.perfetto.dev)", file=sys.stderr)
     if args.png:
         png = out.with_suffix(".png")
-        plot_timeline(lives, other, png)
+        plot_timeline(lives, other, png, t0, None if minutes is None else (60.0 * minutes[0], 60.0 * minutes[1]))
         print(f"asyncrl trace: wrote {png}", file=sys.stderr)
     return 0
