@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -352,3 +353,43 @@ def test_adapter_only_sync_over_nccl_on_gloo_matches_trainer_logprobs(tmp_path, 
         assert max(abs(a - b) for a, b in zip(got, _completion_logprobs(tiny_model))) > 1e-3
     finally:
         server.stop()
+
+
+def test_evaluation_merges_a_published_adapter_into_its_base(tmp_path, tiny_model_dir, tiny_model, capsys):
+    """A LoRA run publishes adapters only: the controller's held-out evaluation and ``asyncrl eval
+    --model ADAPTER_DIR`` merge the adapter into the base (the trainer's logprobs to 1e-4); a
+    directory that is not an adapter, or an adapter naming no base, fails with a clear error."""
+    from asyncrl.controller.controller import Controller
+    from asyncrl.evaluation.cli import main as eval_main
+    from asyncrl.models import CorruptModelError, adapter_base, is_adapter_dir, load_causal_lm, merge_adapter
+
+    cfg = _lora_cfg(tmp_path, tiny_model_dir)
+    want, announced = _train_and_publish(cfg, tiny_model)
+    (_, uri, _), = announced
+    assert is_adapter_dir(uri) and not is_adapter_dir(tiny_model_dir)
+    assert adapter_base(uri) == str(tiny_model_dir)
+    ctl = Controller(cfg, resumed=False)
+    merged = ctl._eval_model_dir(uri)  # <run_dir>/eval/model: base + adapter, full weights
+    assert merged.endswith("eval/model") and not is_adapter_dir(merged)
+    got = _completion_logprobs(load_causal_lm(merged))
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    # asyncrl eval on the adapter directory itself (its temporary merge is removed afterwards)
+    capsys.readouterr()
+    assert eval_main(["--model", uri, "--num_problems", "4", "--modes", "greedy", "--max_new_tokens", "4",
+                      "--json", "--threads", "1"]) == 0
+    [res] = json.loads(capsys.readouterr().out)
+    assert res["n"] == 4 and 0.0 <= res["accuracy"] <= 1.0
+    # failures name what is wrong
+    with pytest.raises(CorruptModelError, match="not a LoRA adapter directory"):
+        merge_adapter(tiny_model_dir, tiny_model_dir, tmp_path / "m")
+    bad = tmp_path / "nobase"
+    bad.mkdir()
+    for f in ("adapter_config.json", ADAPTER_WEIGHTS_FILE):
+        (bad / f).write_bytes(Path(uri, f).read_bytes())
+    conf = json.loads((bad / "adapter_config.json").read_text())
+    conf.pop("base_model_name_or_path")
+    (bad / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(CorruptModelError, match="names no base model"):
+        adapter_base(bad)
+    assert eval_main(["--model", str(bad), "--num_problems", "4", "--json"]) == 1
+    assert "names no base model" in capsys.readouterr().err

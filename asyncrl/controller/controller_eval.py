@@ -70,15 +70,19 @@ class ControllerEvaluation:
         """A model directory for ``asyncrl eval``: the published weights plus the base model's
         tokenizer and chat template (published versions hold weights and config only).
 
-        Symlinks in ``<run_dir>/eval/model``, rebuilt for every evaluation.
+        Symlinks in ``<run_dir>/eval/model``, rebuilt for every evaluation. A LoRA run publishes
+        adapters only (``trainer.lora``): the adapter is merged into the base model there instead
+        (:func:`asyncrl.models.merge_adapter`), a full copy of the model.
         """
-        from asyncrl.models import resolve_model_path
+        from asyncrl.models import is_adapter_dir, merge_adapter, resolve_model_path
 
         wdir = Path(weights)
         if not wdir.is_dir() or wdir.resolve() == resolve_model_path(self.cfg.model.path).resolve():
             return weights
         base = resolve_model_path(self.cfg.model.path)
         target = self.run_dir / "eval" / "model"
+        if is_adapter_dir(wdir):
+            return str(merge_adapter(wdir, base, target, self.cfg.model.dtype))
         if target.exists():
             shutil.rmtree(target)
         target.mkdir(parents=True)

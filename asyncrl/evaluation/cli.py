@@ -32,7 +32,9 @@ rollout.max_response_len of the config; any config field can be set as a dotted 
 --backend engine (default) generates with the rollout engine's continuous batching in this
 process (--batch_size rows decode together); --backend hf with transformers generate
 (--batch_size prompts per call). --server_url URL sends the requests to a running SGLang or
-`asyncrl rollout-server` instead (its weights; --model then only names the tokenizer)."""
+`asyncrl rollout-server` instead (its weights; --model then only names the tokenizer).
+--model may be a LoRA adapter directory that a run with trainer.lora published: it is merged
+into the base model its adapter_config.json names, in a temporary directory, first."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +60,6 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    from asyncrl.core.config_cli import config_from_argv
-
     try:
         args, rest = _parser().parse_known_args(argv)
     except SystemExit as exc:  # argparse already printed the problem
@@ -84,6 +84,37 @@ def main(argv: list[str]) -> int:
         return 2
     if args.task:
         rest += ["--data.task", args.task]
+    merged_dir = None
+    if args.model and not args.server_url:
+        from asyncrl.models import ModelError, adapter_base, is_adapter_dir, merge_adapter
+
+        if is_adapter_dir(args.model):  # a LoRA run's published version: evaluate base + adapter
+            import tempfile
+
+            merged_dir = Path(tempfile.mkdtemp(prefix="asyncrl-eval-"))
+            try:
+                args.model = str(merge_adapter(args.model, adapter_base(args.model), merged_dir / "model"))
+            except ModelError as exc:
+                print(f"asyncrl eval: {exc}", file=sys.stderr)
+                _rm(merged_dir)
+                return 1
+    try:
+        return _main_with(args, rest, modes)
+    finally:
+        if merged_dir is not None:
+            _rm(merged_dir)
+
+
+def _rm(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _main_with(args: argparse.Namespace, rest: list[str], modes: list[str]) -> int:
+    """The evaluation itself, once the arguments are checked and ``args.model`` is a full model."""
+    from asyncrl.core.config_cli import config_from_argv
+
     if args.model:
         rest += ["--model.path", args.model]
     cfg = config_from_argv(rest, "eval")

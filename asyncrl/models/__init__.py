@@ -28,12 +28,14 @@ torch and transformers are imported inside functions so that ``asyncrl --help`` 
 
 The package's modules have one job each: ``cache`` (errors, cache location, writing a model
 directory), ``tiny`` (the tiny model), ``gguf`` (preparing known models), ``validate``,
-``resolve`` (resolve, load, context check) and ``cli`` (``asyncrl models``); import everything
+``resolve`` (resolve, load, context check), ``adapters`` (a LoRA adapter merged into its base for
+evaluation) and ``cli`` (``asyncrl models``); import everything
 from ``asyncrl.models``.
 """
 
 from __future__ import annotations
 
+from asyncrl.models.adapters import adapter_base, is_adapter_dir, merge_adapter
 from asyncrl.models.cache import (
     MARKER_FILE,  # noqa: F401  (public constant of the former asyncrl/models.py)
     CorruptModelError,
@@ -69,5 +71,8 @@ __all__ = [
     "load_causal_lm",
     "model_context_len",
     "check_context",
+    "is_adapter_dir",
+    "adapter_base",
+    "merge_adapter",
     "main",
 ]
