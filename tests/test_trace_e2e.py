@@ -44,6 +44,11 @@ def test_trace_of_a_real_run_with_a_killed_server_and_a_resume(tmp_path, tiny_mo
     finally:
         err = _finish(proc, timeout=1200)
     assert proc.returncode == 0, err[-4000:]
+    # the trainer says what the export cost it, step by step (the timeline's share of the trainer's time)
+    recs = [json.loads(x) for x in (run_dir / "metrics-trainer.jsonl").read_text().splitlines() if x.strip()]
+    export = [r["time/timeline_export_seconds"] for r in recs if "time/timeline_export_seconds" in r]
+    assert len(export) == len([r for r in recs if "time/step_seconds" in r]) and all(x >= 0 for x in export)
+    assert sum(export) > 0  # the checkpoint steps exported what the buffer held
     first = read_records(run_dir / "trace")
     lives, other = load_lives(first)
     committed = [lf for lf in lives if lf.how == "committed"]

@@ -154,6 +154,7 @@ def train_loop(
     idle_flag = idle_flag_from_env() if trainer.rank == 0 else None
     if idle_flag is not None:
         idle_flag.clear()  # a killed trainer's flag would keep the rollout servers wide
+    export_seen = getattr(source, "export_seconds", 0.0) or 0.0  # the timeline exported before the first step
     try:
         while trainer.step < cfg.run.total_steps:
             if max_steps is not None and done_here >= max_steps:
@@ -199,6 +200,10 @@ def train_loop(
             if trainer.rank == 0:
                 record = {"step": float(trainer.step), **plan.metrics, **step_metrics,
                           **{f"{k}_seconds": v for k, v in timer.seconds.items()}}
+                exported = getattr(source, "export_seconds", None)
+                if exported is not None:  # the sample timeline's export in this step (part of checkpoint_seconds)
+                    record["timeline_export_seconds"] = exported - export_seen
+                    export_seen = exported
                 if timer.stopped_seconds > 0:
                     record["eval_stopped_seconds"] = timer.stopped_seconds
                 history.append(record)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,7 @@ class BufferBatchSource:
         self.buffer_metrics: Any = None
         self._stop_seen: float | None = None  # when a wait first saw ``stop`` (the stop's one grace)
         self.trace_dir: Any = None  # <run_dir>/trace: where export_timeline writes (set by open)
+        self.export_seconds = 0.0  # wall seconds spent in export_timeline so far (the timeline's cost to the trainer)
 
     @classmethod
     async def open(cls, cfg: Any, stop: threading.Event | None = None) -> "BufferBatchSource":
@@ -225,12 +227,15 @@ class BufferBatchSource:
         WARNING line, the records stay in Redis for the next commit. Returns how many were exported."""
         if self.trace_dir is None:
             return 0
+        start = time.perf_counter()
         try:
             return await self.buf.export_timeline(self.trace_dir)
         except Exception as exc:  # noqa: BLE001 - the trace must never stop training
             print(f"WARNING asyncrl trainer: exporting the sample timelines to {self.trace_dir} failed: {exc}",
                   file=sys.stderr, flush=True)
             return 0
+        finally:
+            self.export_seconds += time.perf_counter() - start
 
     async def state_dict(self) -> dict[str, Any]:
         """``{"dataset_cursor": N}`` for the checkpoint (informational; retried like :meth:`commit`)."""
