@@ -405,6 +405,8 @@ class BufferConfig(_Section):
     """A train batch handed out and not acknowledged for this long is handed out again."""
     outage_seconds: float = Field(300.0, ge=1.0, le=86400.0)
     """How long a role waits out an unreachable Redis (restarting, loading its AOF) with backoff and one WARNING line before it fails, naming what it waited for (asyncrl/core/outage.py)."""
+    timeline: bool = True
+    """Record every sample transition with its time and role in the buffer's scripts and export the timelines to ``<run_dir>/trace/`` for ``asyncrl trace`` (docs/buffer.md#timeline); false records and writes nothing (every role that opens the buffer honours it)."""
 
 
 # ----------------------------------------------------------------------------------------------
