@@ -9,7 +9,7 @@ by :func:`asyncrl.evaluation.evaluate.evaluate` exactly as ``asyncrl eval`` does
 
 Recorded (JSON): accuracy with its 95% Wilson interval; the response lengths in generated
 tokens (median, p90, p99, max, mean, p99/median) and the same for the problems' step counts and
-for the gold worked answers (:func:`asyncrl.tasks.tasks.chain_solution`, tokenized with the
+for the gold worked answers (:func:`asyncrl.tasks.generated.chain_solution`, tokenized with the
 model's tokenizer); per step-count bucket: n, accuracy, mean response tokens and mean response
 lines, so one can see whether the model's length follows the problem's; the Pearson correlation
 of steps and response tokens; a few sample responses; the 1-minute load average before and after
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.core.config import load_config
     from asyncrl.evaluation.evaluate import evaluate, wilson_interval
     from asyncrl.models import load_tokenizer, resolve_model_path
-    from asyncrl.tasks.tasks import chain_solution, load_task
+    from asyncrl.tasks.generated import chain_solution
+    from asyncrl.tasks.tasks import load_task
 
     cfg = load_config(["--config", args.config], environ={})
     if cfg.data.task != "chain":

@@ -57,6 +57,7 @@ from buffers.scripts import Coalescer, Scripts, _s, decode_error
 
 # The settings live in buffers/settings.py; these names stay importable from here.
 from buffers.settings import FINISH_REASONS, STALE_POLICIES, BufferSettings, settings_fields  # noqa: F401
+from buffers.timeline import origin_of
 from buffers.version_clock import VersionClock
 
 __all__ = ["BufferSettings", "ReplayBuffer", "STALE_POLICIES", "FINISH_REASONS"]
@@ -76,16 +77,6 @@ def _tagged(finish: str, trajectory: int | None) -> str:
     if not 0 <= int(trajectory) <= 15:
         raise BadRequest(f"trajectory must be in 0..15, got {trajectory}")
     return f"{finish}@{int(trajectory)}"
-
-
-def origin_of(role: str) -> str:
-    """``role@host:pid`` of this process, as the scripts record it (no spaces, at most 128 characters)."""
-    import os
-    import re
-    import socket
-
-    raw = f"{role}@{socket.gethostname()}:{os.getpid()}"
-    return re.sub(r"[^A-Za-z0-9_.:@/-]", "_", raw)[:128]
 
 
 def _decode_append(reply: Any) -> Any:
@@ -214,6 +205,15 @@ class ReplayBuffer(BufferInspection, PassRateStore):
                 await client.aclose()
             raise
         return cls(client, run, stored_settings, owns, role=role, timeline=timeline)
+
+    @classmethod
+    async def open_for(cls, cfg: Any, role: str, url: Any = None) -> "ReplayBuffer":
+        """Open ``cfg``'s run as ``role`` (``rollout``, ``trainer``, ``feeder``, ``controller``): the one way
+        every role does. ``url`` (default ``cfg.buffer.redis_url``), ``cfg.run.name``, the settings of
+        :meth:`BufferSettings.from_config`, and ``cfg.buffer.timeline`` (false: this role records no
+        timeline event, docs/buffer.md#timeline). Raises what :meth:`open` raises."""
+        return await cls.open(url or cfg.buffer.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg),
+                              role=role, timeline=cfg.buffer.timeline)
 
     async def close(self) -> None:
         """Close the client if this buffer created it."""
@@ -566,19 +566,11 @@ class ReplayBuffer(BufferInspection, PassRateStore):
         Returns:
             how many records were exported.
         """
-        from buffers.timeline import TimelineWriter
+        from buffers.timeline import TimelineWriter, export_list
 
-        key = self.prefix + "timeline"
         writer = TimelineWriter(trace_dir, **{k: v for k, v in (("max_file_bytes", max_file_bytes),
                                                               ("max_files", max_files)) if v is not None})
-        total = 0
-        while True:
-            raw = await self.redis.lrange(key, 0, 999)
-            if not raw:
-                return total
-            writer.write([_s(r) for r in raw])
-            await self.redis.ltrim(key, len(raw), -1)
-            total += len(raw)
+        return await export_list(self.redis, self.prefix + "timeline", writer)
 
     # ------------------------------------------------------------------ operations
     async def drain(self) -> int:

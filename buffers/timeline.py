@@ -22,9 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-__all__ = ["TimelineWriter", "TimelineEvent", "parse_events", "read_records", "trace_files"]
+__all__ = ["TimelineWriter", "TimelineEvent", "export_list", "origin_of", "parse_events", "read_records", "trace_files"]
 
 _FILE = re.compile(r"^timeline-(\d{6,})\.jsonl$")
+
+
+def origin_of(role: str) -> str:
+    """``role@host:pid`` of this process, as the scripts record it (no spaces, at most 128 characters)."""
+    import socket
+
+    raw = f"{role}@{socket.gethostname()}:{os.getpid()}"
+    return re.sub(r"[^A-Za-z0-9_.:@/-]", "_", raw)[:128]
 
 
 def trace_files(trace_dir: str | os.PathLike) -> list[Path]:
@@ -89,6 +97,20 @@ class TimelineWriter:
         files = trace_files(self.dir)
         for old in files[: max(0, len(files) - self.max_files)]:
             old.unlink(missing_ok=True)
+
+
+async def export_list(redis: Any, key: str, writer: "TimelineWriter") -> int:
+    """Move the records of the Redis list ``key`` to ``writer``'s files, 1000 at a time: each chunk is
+    written and fsynced before it is trimmed from Redis (a crash in between exports it twice, never
+    loses it). Returns how many records moved."""
+    total = 0
+    while True:
+        raw = await redis.lrange(key, 0, 999)
+        if not raw:
+            return total
+        writer.write([r.decode() if isinstance(r, bytes) else str(r) for r in raw])
+        await redis.ltrim(key, len(raw), -1)
+        total += len(raw)
 
 
 def read_records(trace_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -90,7 +90,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     from asyncrl.metrics import role_registry, start_metrics_server
     from asyncrl.models import check_context, load_tokenizer, resolve_model_path
     from asyncrl.tasks.rewards import RewardScorer
-    from buffers import BufferSettings, ReplayBuffer
+    from buffers import ReplayBuffer
     from rollout_server.client import EngineClient
     from rollout_server.worker import RolloutWorker, WorkerError, WorkerOptions
 
@@ -154,8 +154,7 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
     guard = OutageGuard(f"rollout-server {server_index if server_index is not None else ''}".strip(),
                         cfg.buffer.outage_seconds)
     try:  # Redis restarting when this server starts: wait it out, not a crash
-        buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
-                                                         settings=BufferSettings.from_config(cfg), role="rollout"),
+        buf = await guard.call(lambda: ReplayBuffer.open_for(cfg, role="rollout"),
                                "opening the run's buffer", give_up=stop.is_set)
     except DependencyOutage as exc:
         if runner is not None:

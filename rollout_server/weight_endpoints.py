@@ -5,7 +5,7 @@ One job: turn a weight-update request into a validated state dict handed to the 
 ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
 ``/destroy_weights_update_group`` over gloo, ``/update_weight_version``), and SGLang's named LoRA
 adapters (``/load_lora_adapter``, ``/unload_lora_adapter``; rollout_server/engine_lora.py). Every body is validated by its schema in
-:mod:`rollout_server.schemas` (strict types, bounded sizes; the message names the field). Updates are
+:mod:`rollout_server.schemas_weights` (strict types, bounded sizes; the message names the field). Updates are
 serialised by one lock; a rejected update answers 400 ``{"success": false, "message": ...}``
 and changes nothing. :class:`WeightEndpoints` is a mixin of
 :class:`rollout_server.server.RolloutHTTPServer`.
@@ -23,7 +23,7 @@ from aiohttp import web
 from rollout_server.requests import read_body
 from rollout_server.sampling import RequestError
 from rollout_server.weight_group import GroupTimeout, join_group, leave_group, on_daemon_thread, receive_broadcasts
-from rollout_server.schemas import (
+from rollout_server.schemas_weights import (
     DestroyGroupBody,
     InitGroupBody,
     LoadLoraAdapterBody,
@@ -71,7 +71,7 @@ class WeightEndpoints:
         return await read_body(request, schema, self.weights_body_reader, allow_empty=False, what=what)
 
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_disk``: load a safetensors directory (:class:`~rollout_server.schemas.UpdateFromDiskBody`).
+        """``POST /update_weights_from_disk``: load a safetensors directory (:class:`~rollout_server.schemas_weights.UpdateFromDiskBody`).
 
         An adapter-only version (``adapter_config.json`` + ``adapter_model.safetensors``,
         ``trainer.lora``) is verified against its ``SHA256SUMS`` and merged into the base weights
@@ -130,7 +130,7 @@ class WeightEndpoints:
                                   "lora_adapter": res["lora_adapter"]})
 
     async def handle_load_lora_adapter(self, request: web.Request) -> web.Response:
-        """``POST /load_lora_adapter`` (:class:`~rollout_server.schemas.LoadLoraAdapterBody`): register a named adapter.
+        """``POST /load_lora_adapter`` (:class:`~rollout_server.schemas_weights.LoadLoraAdapterBody`): register a named adapter.
 
         The directory is read like an adapter-only version (verified against its ``SHA256SUMS``
         when it has one) and registered by the engine (rollout_server/engine_lora.py); the base
@@ -158,7 +158,7 @@ class WeightEndpoints:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
 
     async def handle_unload_lora_adapter(self, request: web.Request) -> web.Response:
-        """``POST /unload_lora_adapter`` (:class:`~rollout_server.schemas.UnloadLoraAdapterBody`): forget a named adapter.
+        """``POST /unload_lora_adapter`` (:class:`~rollout_server.schemas_weights.UnloadLoraAdapterBody`): forget a named adapter.
 
         Requests already running under it finish under it; new ones naming it get a 400. 400 with
         ``error_message`` when no adapter of that name is loaded.
@@ -176,7 +176,7 @@ class WeightEndpoints:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
 
     async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_tensor``: base64 safetensors payloads (:class:`~rollout_server.schemas.UpdateFromTensorBody`)."""
+        """``POST /update_weights_from_tensor``: base64 safetensors payloads (:class:`~rollout_server.schemas_weights.UpdateFromTensorBody`)."""
         from asyncrl.core.weights import WeightLoadError, decode_safetensors_payload
 
         try:
@@ -191,7 +191,7 @@ class WeightEndpoints:
             return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
 
     async def handle_init_group(self, request: web.Request) -> web.Response:
-        """``POST /init_weights_update_group``: join rank 0's gloo group (:class:`~rollout_server.schemas.InitGroupBody`).
+        """``POST /init_weights_update_group``: join rank 0's gloo group (:class:`~rollout_server.schemas_weights.InitGroupBody`).
 
         The join runs on a dedicated daemon thread (:func:`rollout_server.weight_group.on_daemon_thread`),
         bounded by ``--weight-group-timeout-seconds``; the gloo device listens on the server's host.
@@ -227,7 +227,7 @@ class WeightEndpoints:
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def handle_update_from_distributed(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_distributed``: receive the announced broadcasts (:class:`~rollout_server.schemas.UpdateFromDistributedBody`).
+        """``POST /update_weights_from_distributed``: receive the announced broadcasts (:class:`~rollout_server.schemas_weights.UpdateFromDistributedBody`).
 
         Each broadcast is bounded by ``--weight-group-timeout-seconds``; the receiving runs on a
         daemon thread, so a stalled trainer never holds up shutdown.
@@ -254,7 +254,7 @@ class WeightEndpoints:
             return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
 
     async def handle_destroy_group(self, request: web.Request) -> web.Response:
-        """``POST /destroy_weights_update_group`` (:class:`~rollout_server.schemas.DestroyGroupBody`)."""
+        """``POST /destroy_weights_update_group`` (:class:`~rollout_server.schemas_weights.DestroyGroupBody`)."""
         try:
             body = await read_body(request, DestroyGroupBody, self.body_reader, what="/destroy_weights_update_group")
         except RequestError as exc:
@@ -266,7 +266,7 @@ class WeightEndpoints:
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def handle_update_weight_version(self, request: web.Request) -> web.Response:
-        """``POST /update_weight_version``: relabel the loaded weights (:class:`~rollout_server.schemas.UpdateWeightVersionBody`)."""
+        """``POST /update_weight_version``: relabel the loaded weights (:class:`~rollout_server.schemas_weights.UpdateWeightVersionBody`)."""
         try:
             body = await self._weights_body(request, UpdateWeightVersionBody, "/update_weight_version")
         except RequestError as exc:

@@ -13,16 +13,9 @@ from pydantic import ValidationError
 
 from asyncrl.core.config import ChainConfig, DataConfig, load_config
 from asyncrl.tasks.rewards import check_answer
-from asyncrl.tasks.tasks import (
-    ChainTask,
-    TaskError,
-    chain_solution,
-    chain_steps,
-    is_heldout,
-    load_task,
-    problem_hash,
-    render_response_prefix,
-)
+from asyncrl.tasks.base import is_heldout, problem_hash
+from asyncrl.tasks.generated import ChainTask, chain_solution, chain_steps
+from asyncrl.tasks.tasks import TaskError, load_task, render_response_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 LONGTAIL = REPO / "configs" / "smollm2_longtail.yaml"

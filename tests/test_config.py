@@ -112,6 +112,21 @@ def test_dotted_flags_and_equals_form():
     assert cfg.run.seed == 7
 
 
+def test_a_bool_field_from_a_flag_the_environment_and_yaml(tmp_path):
+    """``buffer.timeline`` (on by default) is turned off by ``--buffer.timeline false`` (``bench/multiseed.py
+    --arm NAME="--buffer.timeline false"``), ``=false``, the environment and YAML; a value that is no boolean
+    is an error naming the field."""
+    assert AsyncRLConfig().buffer.timeline is True
+    assert load_config(["--buffer.timeline", "false"], environ={}).buffer.timeline is False
+    assert load_config(["--buffer.timeline=false"], environ={}).buffer.timeline is False
+    assert load_config([], environ={"ASYNCRL_BUFFER__TIMELINE": "false"}).buffer.timeline is False
+    path = _write(tmp_path, "buffer:\n  timeline: false\n")
+    assert load_config(["--config", str(path)], environ={}).buffer.timeline is False
+    assert load_config(["--config", str(path), "--buffer.timeline", "true"], environ={}).buffer.timeline is True
+    with pytest.raises(ConfigError, match="buffer.timeline"):
+        load_config(["--buffer.timeline", "sometimes"], environ={})
+
+
 def test_headline_flags_as_users_type_them():
     cfg = load_config(["--partial_percent", "0.7", "--max_budget", "1024", "--max_staleness", "2"], environ={})
     assert (cfg.rollout.partial_percent, cfg.rollout.max_budget, cfg.buffer.max_staleness) == (0.7, 1024, 2)

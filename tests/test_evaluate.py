@@ -11,7 +11,8 @@ import pytest
 from asyncrl.core.config import ArithmeticConfig, DataConfig
 from asyncrl.evaluation.cli import main
 from asyncrl.evaluation.evaluate import evaluate, evaluate_problems, wilson_interval
-from asyncrl.tasks.tasks import Problem, load_task
+from asyncrl.tasks.base import Problem
+from asyncrl.tasks.tasks import load_task
 
 
 def test_wilson_interval_known_values():

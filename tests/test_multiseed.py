@@ -4,6 +4,7 @@ and the seed plumbing it relies on (``run.seed`` varies sampling, ``data.seed`` 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import load_bench
@@ -125,6 +126,20 @@ def test_run_costs_and_their_table(ms):
     assert lines[1] == "| run | s per step | idle rollout-0 | idle trainer | publish s per step | publish MB per step |"
     assert lines[3] == "| async s1 | 12.0 | 0.05 | 0.40 | 1.50 | 3.0 |" and len(lines) == 4  # TRL has no row
     assert ms.run_costs_markdown({"runs": [trl]}, ["trl"]) == []
+
+
+def test_an_arm_can_turn_a_bool_field_off(ms, tmp_path):
+    """``--arm notl="--buffer.timeline false"`` reaches the run's config as asyncrl train resolves it (the
+    timeline's cost on the main job's step, issue 30)."""
+    from asyncrl.controller.train import resolve_run
+
+    arms = ms.parse_arms("async,notl", ['notl=--buffer.timeline false'])
+    config = Path(__file__).resolve().parent.parent / "configs" / "smollm2_arith.yaml"
+    base = ["--config", str(config), "--run.output_dir", str(tmp_path), "--overwrite"]
+    off, resumed = resolve_run([*base, *arms["notl"]])
+    assert off.buffer.timeline is False and not resumed
+    on, _ = resolve_run([*base, *arms["async"]])
+    assert on.buffer.timeline is True
 
 
 def test_compute_stats_and_replot_from_json(ms, tmp_path):

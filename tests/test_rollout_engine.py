@@ -29,6 +29,13 @@ KEY = "k-engine"
 
 
 @pytest.fixture(scope="module")
+def engine_args():
+    """Extra flags of every server these tests start: none here; tests/test_rollout_engine_cuda.py, which
+    runs these tests with these fixtures, overrides it (``--device cuda``)."""
+    return ()
+
+
+@pytest.fixture(scope="module")
 def dirs(tiny_model_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("rc_engine")
     return make_random_model(tiny_model_dir, base / "v0", seed=1), make_random_model(tiny_model_dir, base / "v1", seed=2)
@@ -36,6 +43,7 @@ def dirs(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(dirs):
+    """The references (greedy decoding, logprob recomputation), on the CPU in fp32."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -43,24 +51,25 @@ def models(dirs):
 
 
 @pytest.fixture(scope="module")
-def srv_a(dirs, tmp_path_factory):
-    s = start_embedded_server(dirs[0], "--weight-version", "0", log_path=tmp_path_factory.mktemp("log") / "a.log")
+def srv_a(dirs, engine_args, tmp_path_factory):
+    s = start_embedded_server(dirs[0], "--weight-version", "0", *engine_args,
+                              log_path=tmp_path_factory.mktemp("log") / "a.log")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def srv_b(dirs, tmp_path_factory):
-    s = start_embedded_server(dirs[0], "--weight-version", "0", "--incremental-streaming-output", api_key=KEY,
-                              log_path=tmp_path_factory.mktemp("log") / "b.log")
+def srv_b(dirs, engine_args, tmp_path_factory):
+    s = start_embedded_server(dirs[0], "--weight-version", "0", "--incremental-streaming-output", *engine_args,
+                              api_key=KEY, log_path=tmp_path_factory.mktemp("log") / "b.log")
     yield s
     s.stop()
 
 
 @pytest.fixture
-def srv_w(dirs, tmp_path):
+def srv_w(dirs, engine_args, tmp_path):
     """A fresh server per weight-update test (its weights change)."""
-    s = start_embedded_server(dirs[0], "--weight-version", "0", log_path=tmp_path / "w.log")
+    s = start_embedded_server(dirs[0], "--weight-version", "0", *engine_args, log_path=tmp_path / "w.log")
     yield s
     s.stop()
 

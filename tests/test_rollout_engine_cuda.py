@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_server.testing import make_random_model, start_embedded_server
-
-from tests.test_rollout_engine import (  # noqa: F401  (collected here, with this module's fixtures)
-    KEY,
+from tests.test_rollout_engine import (  # noqa: F401  (collected here, with its fixtures and this module's engine_args)
+    dirs,
+    models,
+    srv_a,
+    srv_b,
+    srv_w,
     test_behaviour_logprobs_match_trainer_recomputation,
     test_greedy_matches_full_recomputation,
     test_prompt_and_top_logprobs,
@@ -37,44 +39,11 @@ def _no_cuda() -> bool:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.skipif(_no_cuda(), reason="needs a CUDA GPU")]
 
-CUDA = ("--device", "cuda")
-
 
 @pytest.fixture(scope="module")
-def dirs(tiny_model_dir, tmp_path_factory):
-    base = tmp_path_factory.mktemp("rc_engine_cuda")
-    return make_random_model(tiny_model_dir, base / "v0", seed=1), make_random_model(tiny_model_dir, base / "v1", seed=2)
-
-
-@pytest.fixture(scope="module")
-def models(dirs):
-    """The references, on the CPU in fp32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return tuple(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in dirs)
-
-
-@pytest.fixture(scope="module")
-def srv_a(dirs, tmp_path_factory):
-    s = start_embedded_server(dirs[0], "--weight-version", "0", *CUDA, log_path=tmp_path_factory.mktemp("log") / "a.log")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def srv_b(dirs, tmp_path_factory):
-    s = start_embedded_server(dirs[0], "--weight-version", "0", "--incremental-streaming-output", *CUDA, api_key=KEY,
-                              log_path=tmp_path_factory.mktemp("log") / "b.log")
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def srv_w(dirs, tmp_path):
-    s = start_embedded_server(dirs[0], "--weight-version", "0", *CUDA, log_path=tmp_path / "w.log")
-    yield s
-    s.stop()
+def engine_args():
+    """Every server of the imported tests runs on the GPU; the references stay on the CPU in fp32."""
+    return ("--device", "cuda")
 
 
 async def test_the_engine_reports_it_runs_on_cuda(srv_a):

@@ -19,7 +19,8 @@ from asyncrl.tasks.rewards import math_verify_reward
 from asyncrl.tasks.tasks import TrainPromptStream, load_task
 
 EXTERNAL = '''
-from asyncrl.tasks.tasks import Problem, Task, TaskError, problem_hash
+from asyncrl.tasks.base import Problem, Task, problem_hash
+from asyncrl.tasks.registry import TaskError
 
 
 def _problem(k):

@@ -7,16 +7,14 @@ import json
 import pytest
 
 from asyncrl.core.config import ArithmeticConfig, DataConfig
+from asyncrl.tasks.base import HELDOUT_PERCENT, is_heldout, problem_hash
+from asyncrl.tasks.generated import ArithmeticTask
 from asyncrl.tasks.tasks import (
-    HELDOUT_PERCENT,
-    ArithmeticTask,
     FileTask,
     TaskError,
     TrainPromptStream,
-    is_heldout,
     load_task,
     parse_gsm8k_answer,
-    problem_hash,
     render_prompt,
 )
 

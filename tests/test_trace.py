@@ -185,6 +185,89 @@ async def test_timeline_off_records_nothing(redis_url):
         await r.aclose()
 
 
+async def _one_step_by_role(cfg):
+    """The roles as they open the run (``ReplayBuffer.open_for``, the trainer's ``BufferBatchSource.open``):
+    a group fed, generated, scored, batched, acknowledged and committed (exported), a version published.
+    Returns the live ``|tl`` keys seen before the commit and the four clients' origins."""
+    import redis.asyncio as aioredis
+
+    from trainer.sources import BufferBatchSource
+
+    controller = await ReplayBuffer.open_for(cfg, "controller")
+    feeder = await ReplayBuffer.open_for(cfg, "feeder")
+    rollout = await ReplayBuffer.open_for(cfg, "rollout")
+    src = await BufferBatchSource.open(cfg)
+    r = aioredis.Redis.from_url(cfg.buffer.redis_url.get_secret_value())
+    try:
+        await feeder.feed([feeder.make_group("g0", [1, 2])], 0)
+        for it in await rollout.claim("w", 2):
+            await _gen(rollout, it, 2, 0, "stop")
+            await rollout.score(it, reward=float(it.index))
+        await controller.stats()
+        live = [k async for k in r.scan_iter(match="asyncrl:{sw}:*|tl")]
+        assert await src.next_batch(1) is not None
+        await src.acknowledge(1)
+        await src.buf.clock.publish(1, "/w/v1", "sha256:1")
+        await src.commit(1)
+        return live, [b.origin for b in (controller, feeder, rollout, src.buf)], await r.llen("asyncrl:{sw}:timeline")
+    finally:
+        await r.aclose()
+        for b in (controller, feeder, rollout, src.buf):
+            await b.close()
+
+
+def _switch_cfg(redis_url, tmp_path, monkeypatch, *flags):
+    from asyncrl.core.config import load_config
+
+    monkeypatch.setenv("ASYNCRL_BUFFER__REDIS_URL", redis_url)
+    return load_config(["--run.output_dir", str(tmp_path), "--run.name", "sw", "--rollout.rollout_batch_size", "1",
+                        "--rollout.n_samples_per_prompt", "2", *flags])
+
+
+async def test_buffer_timeline_on_every_role_records_and_the_trainer_exports(redis_url, tmp_path, monkeypatch):
+    from asyncrl.core.config import dump_config
+
+    cfg = _switch_cfg(redis_url, tmp_path, monkeypatch)  # the default: on
+    live, origins, left = await _one_step_by_role(cfg)
+    assert live and left == 0  # recorded while live; exported at the commit
+    assert [o.split("@")[0] for o in origins] == ["controller", "feeder", "rollout", "trainer"]
+    lives, other = load_lives(read_records(cfg.run.run_dir / "trace"))
+    roles = {e.role for lf in lives for e in lf.events}
+    assert {"feeder", "rollout", "trainer"} <= roles and {r["kind"] for r in other} == {"batch", "publish"}
+    dump_config(cfg, cfg.run.run_dir / "config.yaml")
+    assert trace_main([str(cfg.run.run_dir)]) == 0
+
+
+async def test_buffer_timeline_off_no_role_records_and_no_trace_is_written(redis_url, tmp_path, monkeypatch, capsys):
+    from asyncrl.core.config import dump_config
+
+    cfg = _switch_cfg(redis_url, tmp_path, monkeypatch, "--buffer.timeline", "false")
+    live, origins, left = await _one_step_by_role(cfg)
+    assert live == [] and left == 0 and origins == ["", "", "", ""]
+    assert not (cfg.run.run_dir / "trace").exists()
+    # asyncrl trace on such a run says so, and how to record one
+    dump_config(cfg, cfg.run.run_dir / "config.yaml")
+    capsys.readouterr()
+    assert trace_main([str(cfg.run.run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "recorded no timeline" in err and "buffer.timeline false" in err and "--buffer.timeline true" in err
+    # a run without config.yaml (or made before the switch) keeps the plain message
+    (cfg.run.run_dir / "config.yaml").unlink()
+    assert trace_main([str(cfg.run.run_dir)]) == 2
+    assert "no timeline records under" in capsys.readouterr().err
+
+
+def test_trace_reads_the_switch_from_the_newest_checkpoint_without_config_yaml(tmp_path, capsys):
+    from asyncrl.core.config import AsyncRLConfig, dump_config
+
+    for step, on in ((2, True), (4, False)):
+        d = tmp_path / "checkpoints" / f"step{step:08d}"
+        d.mkdir(parents=True)
+        dump_config(AsyncRLConfig(buffer={"timeline": on}), d / "config.yaml")
+    assert trace_main([str(tmp_path)]) == 2
+    assert "recorded no timeline" in capsys.readouterr().err
+
+
 def test_exported_files_are_bounded(tmp_path):
     w = TimelineWriter(tmp_path, max_file_bytes=2000, max_files=3)
     rec = json.dumps({"kind": "group", "gid": "g", "tl": "x" * 300, "samples": []})

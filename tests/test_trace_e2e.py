@@ -105,3 +105,30 @@ def test_trace_of_a_real_run_with_a_killed_server_and_a_resume(tmp_path, tiny_mo
     assert new and min(e.t_ms for lf in new for e in lf.events if e.name == "ack") >= last_first
     assert trace_main([str(run_dir), "--out", str(tmp_path / "all.json")]) == 0
     assert validate_trace(json.loads((tmp_path / "all.json").read_text())) == []
+
+
+def test_a_run_with_the_timeline_off_records_and_writes_nothing(tmp_path, tiny_model_dir, redis_url, monkeypatch):
+    """``--buffer.timeline false``: no role (controller, feeder, rollout server, trainer) records an event and
+    the trainer writes no trace file; ``asyncrl trace`` says the run recorded no timeline. The run uses the
+    test's redis-server, so its live groups can be looked at after the run."""
+    import redis
+
+    monkeypatch.setenv("ASYNCRL_BUFFER__REDIS_URL", redis_url)
+    run_dir = tmp_path / "tiny"
+    proc = _start(tmp_path, tiny_model_dir, total_steps=2, extra=["--buffer.timeline", "false"])
+    err = _finish(proc, timeout=1200)
+    assert proc.returncode == 0, err[-4000:]
+    assert _trainer_step(run_dir) == 2
+    assert not (run_dir / "trace").exists()
+    r = redis.Redis.from_url(redis_url)
+    try:
+        keys = [k.decode() for k in r.scan_iter(match="asyncrl:{tiny}:*", count=1000)]
+        # the feeder keeps R groups ahead of the trainer, so samples are still live: with the timeline on,
+        # each would have its `|tl` string
+        assert any(":sample:" in k for k in keys), keys[:20]
+        assert [k for k in keys if k.endswith("|tl")] == [] and r.llen("asyncrl:{tiny}:timeline") == 0
+    finally:
+        r.close()
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "trace", str(run_dir)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "recorded no timeline" in out.stderr, out.stderr

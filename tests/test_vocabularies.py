@@ -40,7 +40,7 @@ def test_estimator_choices_are_built_from_the_registry():
 
     import trainer.advantages as advantages
     from asyncrl.core.choices import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS
-    from asyncrl.core.config_sections import TrainerConfig
+    from asyncrl.core.config_trainer import TrainerConfig
 
     assert advantages.ESTIMATORS == GROUP_ESTIMATORS
     assert all(callable(getattr(advantages, name)) for name in GROUP_ESTIMATORS)  # one function per name

@@ -30,7 +30,7 @@ def apply_lora(model: Any, lora_cfg: Any) -> Any:
 
     Args:
         model: the actor, fp32 weights.
-        lora_cfg: :class:`asyncrl.core.config_sections.LoraConfig` (``rank``, ``alpha``,
+        lora_cfg: :class:`asyncrl.core.config_trainer.LoraConfig` (``rank``, ``alpha``,
             ``dropout``, ``target_modules``).
 
     Returns:

@@ -116,7 +116,7 @@ class BufferBatchSource:
         self._batch_id: str | None = None
         self.buffer_metrics: Any = None
         self._stop_seen: float | None = None  # when a wait first saw ``stop`` (the stop's one grace)
-        self.trace_dir: Any = None  # <run_dir>/trace: where export_timeline writes (set by open)
+        self.trace_dir: Any = None  # <run_dir>/trace: where export_timeline writes (set by open; None: buffer.timeline off)
         self.export_seconds = 0.0  # wall seconds spent in export_timeline so far (the timeline's cost to the trainer)
 
     @classmethod
@@ -131,15 +131,15 @@ class BufferBatchSource:
         if not cfg.buffer.redis_url:
             raise ValueError("asyncrl trainer needs --buffer.redis_url (or ASYNCRL_TRAINER_BATCHES=file.jsonl to replay batches)")
         from asyncrl.core.outage import OutageGuard
-        from buffers import BufferSettings, ReplayBuffer
+        from buffers import ReplayBuffer
 
         guard = OutageGuard("trainer", cfg.buffer.outage_seconds)
-        buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
-                                                         settings=BufferSettings.from_config(cfg), role="trainer"),
+        buf = await guard.call(lambda: ReplayBuffer.open_for(cfg, role="trainer"),
                                "opening the run's buffer")
         src = cls(buf, stop, outage_seconds=cfg.buffer.outage_seconds, batch_wait_seconds=cfg.trainer.batch_wait_seconds)
         src.guard = guard
-        src.trace_dir = Path(cfg.run.run_dir) / "trace"
+        if cfg.buffer.timeline:  # off: nothing is recorded, nothing exported, no trace/ directory
+            src.trace_dir = Path(cfg.run.run_dir) / "trace"
         # the recovery, publishes and dropped groups recorded before this start reach the files now
         await src.export_timeline()
         return src

@@ -374,10 +374,9 @@ class Controller(ControllerEvaluation):
         except RedisServerError as exc:
             print(f"asyncrl train: {exc}", file=sys.stderr)
             return 1
-        from buffers import BufferSettings, ReplayBuffer
+        from buffers import ReplayBuffer
 
-        self.buf = await ReplayBuffer.open(self.redis_url, run=cfg.run.name, settings=BufferSettings.from_config(cfg),
-                                           role="controller")
+        self.buf = await ReplayBuffer.open_for(cfg, role="controller", url=self.redis_url)
         self.watcher = BufferWatcher(self.buf)
         self.progress.start()
         if self.resumed:

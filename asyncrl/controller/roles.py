@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from asyncrl.controller.resources import Assignment
@@ -118,29 +118,18 @@ def reward_model_spec(cfg: Any, cfg_arg: list[str], env: dict[str, str], assignm
     chosen and announced to every role in ``env`` (``ASYNCRL_REWARD__MODEL__PORT``). The server
     runs on the rollout servers' cores (it works when they score) and stops after them.
     """
-    from asyncrl.core.net import free_port, ports_free
-    from asyncrl.controller.supervisor import RoleSpec, http_health_check, role_command
-
     rm = cfg.reward.model
     if rm.path is None or rm.url is not None:
         return None
-    port = rm.port
-    if port == 0 or not ports_free(rm.host, port, 1):
-        port = free_port(rm.host)
-        if rm.port:
-            print(f"asyncrl train: port {rm.port} is busy; the reward model uses {port}", file=sys.stderr)
-        env["ASYNCRL_REWARD__MODEL__PORT"] = str(port)
-    cores = None
-    if all(c is not None for c in assignment.rollout_cores):
-        cores = sorted({core for c in assignment.rollout_cores for core in c})
-    renv = dict(env)
-    if cores is not None and rm.threads is None:
-        renv["ASYNCRL_REWARD__MODEL__THREADS"] = str(len(cores))
-    url = rm.model_copy(update={"port": port}).server_url
-    return RoleSpec("reward-model", role_command("reward-model", *cfg_arg), env=renv, cores=cores, restart=True,
-                    stop_order=2, fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=rm.drain_timeout_seconds + 10.0,
-                    health_check=http_health_check(url + "/health"), health_interval_seconds=5.0, health_failures=6,
-                    nice=assignment.rollout_nice)
+
+    def role_env(cores: list[int] | None) -> dict[str, str]:
+        renv = dict(env)
+        if cores is not None and rm.threads is None:
+            renv["ASYNCRL_REWARD__MODEL__THREADS"] = str(len(cores))
+        return renv
+
+    return _side_server_spec("reward-model", rm, "ASYNCRL_REWARD__MODEL__PORT", "the reward model", cfg_arg, env,
+                             assignment, role_env)
 
 
 def env_server_spec(cfg: Any, cfg_arg: list[str], env: dict[str, str], assignment: Assignment) -> Any:
@@ -154,27 +143,49 @@ def env_server_spec(cfg: Any, cfg_arg: list[str], env: dict[str, str], assignmen
     to Redis), runs on the rollout servers' cores at their nice value (it mostly waits) and stops
     after the rollout servers, whose draining episodes may still be calling it.
     """
-    from asyncrl.core.net import free_port, ports_free
-    from asyncrl.controller.supervisor import RoleSpec, http_health_check, role_command
+    from asyncrl.core.secret_values import REDIS_URL_ENV
 
     es = cfg.agent.env_server
     if not es.enabled or es.url is not None:
         return None
-    port = es.port
-    if port == 0 or not ports_free(es.host, port, 1):
-        port = free_port(es.host)
-        if es.port:
-            print(f"asyncrl train: port {es.port} is busy; the environment server uses {port}", file=sys.stderr)
-        env["ASYNCRL_AGENT__ENV_SERVER__PORT"] = str(port)
+
+    def role_env(cores: list[int] | None) -> dict[str, str]:
+        senv = {k: v for k, v in env.items() if k not in ("ASYNCRL_BUFFER__REDIS_URL", REDIS_URL_ENV)}
+        senv["OMP_NUM_THREADS"] = "1"
+        return senv
+
+    return _side_server_spec("env-server", es, "ASYNCRL_AGENT__ENV_SERVER__PORT", "the environment server", cfg_arg,
+                             env, assignment, role_env)
+
+
+def _side_server_spec(name: str, section: Any, port_env: str, what: str, cfg_arg: list[str], env: dict[str, str],
+                      assignment: Assignment, role_env: Callable[[list[int] | None], dict[str, str]]) -> Any:
+    """The :class:`~asyncrl.controller.supervisor.RoleSpec` of a server the rollout servers call (the reward
+    model, the environment server; its config ``section`` has ``host``, ``port``, ``server_url`` and
+    ``drain_timeout_seconds``).
+
+    Its port is ``section.port``, or a free one when that is 0 or busy, announced to every role in
+    ``env[port_env]`` (a busy configured port is said on stderr, naming ``what``). It runs as
+    ``asyncrl <name>`` on the union of the rollout servers' cores (None when any of them is unpinned),
+    at their nice value, with ``role_env(cores)`` as its environment; it is restarted when it dies,
+    health-checked on ``/health``, and stops after the rollout servers, with its drain deadline plus
+    10 s to drain.
+    """
+    from asyncrl.core.net import free_port, ports_free
+    from asyncrl.controller.supervisor import RoleSpec, http_health_check, role_command
+
+    port = section.port
+    if port == 0 or not ports_free(section.host, port, 1):
+        port = free_port(section.host)
+        if section.port:
+            print(f"asyncrl train: port {section.port} is busy; {what} uses {port}", file=sys.stderr)
+        env[port_env] = str(port)
     cores = None
     if all(c is not None for c in assignment.rollout_cores):
         cores = sorted({core for c in assignment.rollout_cores for core in c})
-    from asyncrl.core.secret_values import REDIS_URL_ENV
-
-    senv = {k: v for k, v in env.items() if k not in ("ASYNCRL_BUFFER__REDIS_URL", REDIS_URL_ENV)}
-    senv["OMP_NUM_THREADS"] = "1"
-    url = es.model_copy(update={"port": port}).server_url
-    return RoleSpec("env-server", role_command("env-server", *cfg_arg), env=senv, cores=cores, restart=True,
-                    stop_order=2, fatal_exit_codes=FATAL_EXIT_CODES, stop_grace_seconds=es.drain_timeout_seconds + 10.0,
+    url = section.model_copy(update={"port": port}).server_url
+    return RoleSpec(name, role_command(name, *cfg_arg), env=role_env(cores), cores=cores, restart=True,
+                    stop_order=2, fatal_exit_codes=FATAL_EXIT_CODES,
+                    stop_grace_seconds=section.drain_timeout_seconds + 10.0,
                     health_check=http_health_check(url + "/health"), health_interval_seconds=5.0, health_failures=6,
                     nice=assignment.rollout_nice)

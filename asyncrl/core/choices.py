@@ -5,8 +5,8 @@
   one function per name of :data:`GROUP_ESTIMATORS` (its ``ESTIMATORS`` is this tuple), ``gae`` is
   the critic's (trainer/critic.py). tests/test_vocabularies.py checks the two agree.
 * :data:`BUILTIN_TASKS` / :data:`FILE_TASKS`: the tasks asyncrl ships, registered in
-  asyncrl/tasks/tasks.py; ``data.task`` is one of them or a ``module:Class`` (:data:`TASK_CLASS`)
-  outside asyncrl, loaded by asyncrl/tasks/registry.py.
+  asyncrl/tasks/generated.py and asyncrl/tasks/tasks.py; ``data.task`` is one of them or a
+  ``module:Class`` (:data:`TASK_CLASS`) outside asyncrl, loaded by asyncrl/tasks/registry.py.
 
 The finish reasons are :class:`asyncrl.core.types.FinishReason` (the data model's vocabulary).
 """
@@ -22,7 +22,7 @@ GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 #: The choices of ``trainer.advantage``: the critic-free estimators and ``gae`` (PPO with a critic).
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = (*GROUP_ESTIMATORS, "gae")
 
-#: The built-in tasks, registered in asyncrl/tasks/tasks.py like any other task.
+#: The built-in tasks, registered in asyncrl/tasks/generated.py and asyncrl/tasks/tasks.py like any other task.
 BUILTIN_TASKS: tuple[str, ...] = ("arithmetic", "chain", "gsm8k", "jsonl", "parquet")
 #: The built-in tasks that read ``data.path``.
 FILE_TASKS: tuple[str, ...] = ("gsm8k", "jsonl", "parquet")

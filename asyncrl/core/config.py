@@ -2,9 +2,10 @@
 
 One pydantic(-settings) model, :class:`AsyncRLConfig`, covers every role (rollout server,
 buffer, trainer, controller). Each knob is owned by the sub-model of the component that uses
-it (the sections, in ``asyncrl/core/config_sections.py``, re-exported here), carries a docstring
-(shown by ``--help``) and its bounds (``Field``); rules that involve several fields are
-validators on the root model, here, with the loading below.
+it (the sections, in ``asyncrl/core/config_sections.py``, ``config_trainer.py`` and
+``config_agent.py``, re-exported here), carries a docstring (shown by ``--help``) and its bounds
+(``Field``); rules that involve several fields are validators on the root model, here, with the
+loading below.
 
 Sources, highest priority first (see :func:`load_config`):
 
@@ -33,23 +34,17 @@ from pydantic import BaseModel, model_validator
 
 from asyncrl.core.choices import FILE_TASKS
 
-# The sections (and the B = ⌈p·R⌉ formula) live in asyncrl/core/config_sections.py; every name stays
-# importable from here (``from asyncrl.core.config import DataConfig``), as code and tests do.
+# The sections (and the B = ⌈p·R⌉ formula) live in asyncrl/core/config_sections.py, config_trainer.py and
+# config_agent.py; every name stays importable from here (``from asyncrl.core.config import DataConfig``),
+# as code and tests do.
 from asyncrl.core.config_agent import STEPWISE_MODES, AgentConfig  # noqa: F401  (re-exported)
 from asyncrl.core.config_sections import (  # noqa: F401  (re-exported)
     ArithmeticConfig,
     ChainConfig,
     BufferConfig,
-    CriticConfig,
     DataConfig,
-    GAEConfig,
-    KLControlConfig,
-    LoraConfig,
-    LossConfig,
     ModelConfig,
     MonitoringConfig,
-    OptimizerConfig,
-    ReferenceConfig,
     ResourcesConfig,
     RewardConfig,
     RewardModelConfig,
@@ -57,10 +52,19 @@ from asyncrl.core.config_sections import (  # noqa: F401  (re-exported)
     RunConfig,
     SecurityConfig,
     StalePolicy,
-    TrainerConfig,
     WeightSyncConfig,
     _Section,
     train_batch_groups,
+)
+from asyncrl.core.config_trainer import (  # noqa: F401  (re-exported)
+    CriticConfig,
+    GAEConfig,
+    KLControlConfig,
+    LoraConfig,
+    LossConfig,
+    OptimizerConfig,
+    ReferenceConfig,
+    TrainerConfig,
 )
 
 __all__ = [

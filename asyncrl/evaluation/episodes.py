@@ -119,7 +119,7 @@ def evaluate_episodes(model: Any, tokenizer: Any, problems: list[Any], cfg: Any,
     Args:
         model: the causal LM (fp32, eval mode).
         tokenizer: its tokenizer (with a chat template).
-        problems: :class:`asyncrl.tasks.tasks.Problem` list (held-out).
+        problems: :class:`asyncrl.tasks.base.Problem` list (held-out).
         cfg: the :class:`asyncrl.core.config.AsyncRLConfig` (``agent``, ``data``, ``rollout``).
         temperature: 0 for greedy.
         seed: base of the per-(problem, call) sampling seeds and of the episode seeds.

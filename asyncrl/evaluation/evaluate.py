@@ -287,7 +287,7 @@ def evaluate_problems(
         model: a transformers causal LM (eval mode is set here); unused (may be None) with
             ``backend="server"``.
         tokenizer: its tokenizer (with a chat template).
-        problems: :class:`asyncrl.tasks.tasks.Problem` records.
+        problems: :class:`asyncrl.tasks.base.Problem` records.
         system_prompt: system message for the chat template (``data.system_prompt``).
         response_prefix: assistant prefill template (``data.response_prefix``); the answer is
             checked on ``prefix + generated text``, as in training.

@@ -200,7 +200,7 @@ async def _run(cfg: Any) -> int:
     from asyncrl.models import load_tokenizer, model_context_len
     from asyncrl.core.outage import DependencyOutage, OutageGuard
     from asyncrl.tasks.tasks import TrainPromptStream
-    from buffers import BufferSettings, ReplayBuffer
+    from buffers import ReplayBuffer
 
     if not cfg.buffer.redis_url:
         print("asyncrl feeder: buffer.redis_url is not set (asyncrl train passes it; or --redis_url URL)",
@@ -215,8 +215,7 @@ async def _run(cfg: Any) -> int:
     stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.data.seed)
     guard = OutageGuard("feeder", cfg.buffer.outage_seconds)
     try:
-        buf = await guard.call(lambda: ReplayBuffer.open(cfg.buffer.redis_url, run=cfg.run.name,
-                                                         settings=BufferSettings.from_config(cfg), role="feeder"),
+        buf = await guard.call(lambda: ReplayBuffer.open_for(cfg, role="feeder"),
                                "opening the run's buffer", give_up=stop.is_set)
     except DependencyOutage as exc:
         if stop.is_set():

@@ -39,7 +39,8 @@ from typing import Any, Iterable
 
 from buffers.timeline import TimelineEvent, parse_events, read_records
 
-__all__ = ["Segment", "SampleLife", "load_lives", "first_event_ms", "build_trace", "validate_trace", "plot_timeline", "main"]
+__all__ = ["Segment", "SampleLife", "load_lives", "first_event_ms", "build_trace", "validate_trace", "plot_timeline",
+           "timeline_setting", "main"]
 
 #: events that end an open segment, with the status they leave the sample in
 _SEGMENT_END = {"complete", "park", "requeue", "turn", "restart", "drop", "discard"}
@@ -405,8 +406,27 @@ def plot_timeline(lives: list[SampleLife], other: list[dict[str, Any]], path: st
     plt.close(fig)
 
 
+def timeline_setting(run_dir: Path) -> bool | None:
+    """``buffer.timeline`` of the run in ``run_dir`` as its ``config.yaml`` says (written by ``asyncrl train``
+    for its last session; else the newest checkpoint's, ``checkpoints/step*/config.yaml``, as a trainer
+    started on its own writes it); None when there is no such file or field (runs made before the switch
+    recorded their timeline)."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    found = [run_dir / "config.yaml"] if (run_dir / "config.yaml").is_file() else \
+        sorted(run_dir.glob("checkpoints/step*/config.yaml"))[-1:]
+    try:
+        cfg = yaml.safe_load(found[0].read_text()) if found else None
+    except (OSError, yaml.YAMLError):
+        return None
+    value = (cfg.get("buffer") or {}).get("timeline") if isinstance(cfg, dict) else None
+    return value if isinstance(value, bool) else None
+
+
 def main(argv: list[str]) -> int:
-    """Entry point of ``asyncrl trace``; returns the exit code."""
+    """Entry point of ``asyncrl trace``; returns the exit code (2: bad arguments, or no timeline to show,
+    with the reason: the run recorded none because ``buffer.timeline`` was false, or nothing was exported yet)."""
     parser = argparse.ArgumentParser(prog="asyncrl trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="run directory (holds trace/timeline-*.jsonl)")
     which = parser.add_mutually_exclusive_group()
@@ -425,6 +445,15 @@ def main(argv: list[str]) -> int:
             return 2
         minutes = (a, b)
     records = read_records(args.run_dir / "trace")
+    recorded = timeline_setting(args.run_dir)
+    if not records and recorded is False:
+        print(f"asyncrl trace: the run in {args.run_dir} recorded no timeline: its config.yaml has buffer.timeline "
+              "false, so no transition was recorded and no trace file written; run with --buffer.timeline true "
+              "to record one (docs/buffer.md#timeline)", file=sys.stderr)
+        return 2
+    if recorded is False:
+        print("asyncrl trace: note: the last session ran with buffer.timeline false; the trace shows only what the "
+              "sessions that recorded exported", file=sys.stderr)
     if not records:
         print(f"asyncrl trace: no timeline records under {args.run_dir / 'trace'} (they are exported after each "
               "commit, i.e. each checkpoint)", file=sys.stderr)

@@ -15,16 +15,10 @@ not restart a role that exits 2.
 from __future__ import annotations
 
 import asyncio
-import logging
-import signal
 import sys
 from typing import Any
 
 __all__ = ["main", "run_reward_model_server"]
-
-
-def _print(msg: str) -> None:
-    print(f"asyncrl reward-model: {msg}", flush=True)
 
 
 async def run_reward_model_server(cfg: Any, stop: asyncio.Event | None = None,
@@ -42,61 +36,35 @@ async def run_reward_model_server(cfg: Any, stop: asyncio.Event | None = None,
     if rm.path is None:
         raise ValueError("reward.model.path is not set: give the reward model's directory "
                          "(--reward.model.path DIR, an AutoModelForSequenceClassification checkpoint)")
-    from aiohttp import web
-
+    from asyncrl.core.net import free_port
+    from asyncrl.core.serving import serve_until_stopped, stop_on_signals
     from asyncrl.metrics import role_registry
     from asyncrl.models import resolve_model_path
-    from asyncrl.core.net import free_port
     from asyncrl.reward_model.server import RewardModelOptions, RewardModelServer
 
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals(stop)
     path = str(resolve_model_path(rm.path))
     opts = RewardModelOptions.from_config(cfg, path)
     if opts.port == 0:
         opts.port = free_port(opts.host)
     registry, metrics = role_registry("reward_model")
     server = RewardModelServer(opts, metrics=metrics, registry=registry)
-    await loop.run_in_executor(None, server.load)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, opts.host, opts.port).start()
-        _print(f"serving {path} ({server.device}) on http://{opts.host}:{opts.port} (POST /score, /health, /metrics; "
-               f"batches of <= {opts.max_batch_size} texts, {opts.batch_wait_ms:g} ms wait)")
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-        answered_before = server.answered
-        drained = await server.drain()
-        _print(f"drained: {server.answered - answered_before} requests answered after the stop signal"
-               + ("" if drained else f"; {server.batcher.pending if server.batcher else 0} texts left after "
-                  f"reward.model.drain_timeout_seconds={opts.drain_timeout_seconds:g}"))
-        return 0 if drained else 1
-    finally:
-        await runner.cleanup()
+    await asyncio.get_running_loop().run_in_executor(None, server.load)
+    return await serve_until_stopped(
+        "reward-model", server, server.app(), opts.host, opts.port, stop=stop, ready=ready, what="requests",
+        banner=f"serving {path} ({server.device}) on http://{opts.host}:{opts.port} (POST /score, /health, /metrics; "
+               f"batches of <= {opts.max_batch_size} texts, {opts.batch_wait_ms:g} ms wait)",
+        left=lambda: f"{server.batcher.pending if server.batcher else 0} texts left after "
+                     f"reward.model.drain_timeout_seconds={opts.drain_timeout_seconds:g}")
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``asyncrl reward-model``; returns the exit code."""
-    from asyncrl.core.config import ConfigError
-    from asyncrl.core.config_cli import config_from_argv
+    from asyncrl.core.serving import role_main
     from asyncrl.models import ModelNotFoundError
 
-    cfg = config_from_argv(list(argv), "reward-model")
-    if isinstance(cfg, int):
-        return cfg
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return asyncio.run(run_reward_model_server(cfg))
-    except (ConfigError, ValueError, FileNotFoundError, ModelNotFoundError) as exc:
-        print(f"asyncrl reward-model: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the port is taken, ...
-        print(f"asyncrl reward-model: {exc}", file=sys.stderr)
-        return 1
+    return role_main(argv, "reward-model", run_reward_model_server,
+                     config_errors=(FileNotFoundError, ModelNotFoundError))
 
 
 if __name__ == "__main__":  # pragma: no cover

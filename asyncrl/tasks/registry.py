@@ -4,8 +4,9 @@ Tasks open the way rewards and workflows do. A task is built by a factory called
 ``data`` config section and the prompt-stream seed, ``factory(data, seed) -> Task``:
 
 * the built-in tasks (``arithmetic``, ``chain``, ``gsm8k``, ``jsonl``, ``parquet``) are registered by
-  :mod:`asyncrl.tasks.tasks` with :func:`register_task`, like any other;
-* ``data.task: my_pkg.my_module:MyTask`` imports ``MyTask`` (a :class:`asyncrl.tasks.tasks.Task`
+  :mod:`asyncrl.tasks.generated` (``arithmetic``, ``chain``) and :mod:`asyncrl.tasks.tasks` (the files)
+  with :func:`register_task`, like any other;
+* ``data.task: my_pkg.my_module:MyTask`` imports ``MyTask`` (a :class:`asyncrl.tasks.base.Task`
   subclass taking ``(data, seed)``, or any factory with that signature) in every process that
   loads the task (feeder, evaluation), as ``data.reward``'s ``module:function`` is.
 

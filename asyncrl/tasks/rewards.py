@@ -1,7 +1,7 @@
 """Reward functions: the math answer verifier, the format reward, user functions, reward processing.
 
 A reward function has the signature ``fn(prompt: str, response: str, metadata: dict) -> float``
-(``metadata`` is the task's :class:`asyncrl.tasks.tasks.Problem` metadata: ``task``, ``gold``,
+(``metadata`` is the task's :class:`asyncrl.tasks.base.Problem` metadata: ``task``, ``gold``,
 ``problem_hash``, ...). :class:`RewardScorer` runs the configured one and never raises: a
 function that raises, returns a non-number, hangs the verifier, or (a user function) does not
 return within ``data.reward_timeout_seconds`` gives a :class:`RewardResult` with ``error`` set
