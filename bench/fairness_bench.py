@@ -14,7 +14,8 @@ Two servers run side by side in this one process tree: ``fair`` (``--fair-slowdo
 default) and ``off`` (``--fair-slowdown 1e9``: every row runs in every step, the behaviour before
 fair decode steps). Each repeat measures both, back to back, so a change of the machine's load
 hits them alike; the JSON holds every time, the per-request ratios (beside / solo) and their
-medians and maxima per server.
+medians and maxima per server, and the server process's CPU seconds while the 8 ran, beside
+against solo: on a loaded machine the wall times move with the load, the CPU seconds much less.
 
 ``--calibrate`` instead times the engine's decode steps in this process (no HTTP) for R rows with
 and without 20 top logprobs, and fits ``t = α + β·R + δ·R·k`` by least squares: the step cost
@@ -57,14 +58,29 @@ async def _small(http, url: str) -> float:
     return time.monotonic() - t0
 
 
-async def _round(url: str, big_body: dict) -> dict:
-    """One measurement on one server: one small alone, 8 together, 8 beside the maximal request."""
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def _round(url: str, pid: int, big_body: dict) -> dict:
+    """One measurement on one server: one small alone, 8 together, 8 beside the maximal request.
+
+    Besides each small request's wall time, the server process's CPU seconds while the 8 ran
+    (solo and beside): a load-independent measure of the work the small requests shared the
+    server with (one engine thread and the event loop, sharing the GIL: about one core).
+    """
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         await _small(http, url)  # warm
         alone = await _small(http, url)
+        c0 = _cpu_seconds(pid)
         solo = await asyncio.gather(*[_small(http, url) for _ in range(8)])
+        cpu_solo = _cpu_seconds(pid) - c0
         streaming = asyncio.Event()
 
         async def big() -> None:
@@ -76,7 +92,9 @@ async def _round(url: str, big_body: dict) -> dict:
         task = asyncio.create_task(big())
         await asyncio.wait_for(streaming.wait(), 120)
         await asyncio.sleep(0.2)
+        c0 = _cpu_seconds(pid)
         beside = await asyncio.gather(*[_small(http, url) for _ in range(8)])
+        cpu_beside = _cpu_seconds(pid) - c0
         task.cancel()  # closing the stream aborts the big request
         try:
             await task
@@ -84,7 +102,8 @@ async def _round(url: str, big_body: dict) -> dict:
             pass
         await asyncio.sleep(0.5)
     return {"alone": alone, "solo": list(solo), "beside": list(beside),
-            "ratios": [b / s for b, s in zip(sorted(beside), sorted(solo))]}
+            "ratios": [b / s for b, s in zip(sorted(beside), sorted(solo))],
+            "cpu_solo_s": cpu_solo, "cpu_beside_s": cpu_beside, "cpu_ratio": cpu_beside / max(cpu_solo, 1e-9)}
 
 
 def run_http(a: argparse.Namespace) -> dict:
@@ -96,17 +115,19 @@ def run_http(a: argparse.Namespace) -> dict:
     model = a.model or str(make_random_model(build_tiny_model(tmp / "tiny"), tmp / "varied", seed=1))
     body = maximal(a.rows, a.reserve, a.cost)
     common = ["--max-running-requests", str(a.rows), "--fair-reserve-rows", str(a.reserve), "--max-request-cost", str(a.cost)]
-    servers = {"fair": start_embedded_server(model, *common, threads=a.threads, log_path=tmp / "fair.log"),
+    servers = {"fair": start_embedded_server(model, *common, threads=a.threads, log_path=tmp / "fair.log",
+                                             ready_timeout_seconds=600),
                "off": start_embedded_server(model, *common, "--fair-slowdown", "1e9", threads=a.threads,
-                                            log_path=tmp / "off.log")}
+                                            log_path=tmp / "off.log", ready_timeout_seconds=600)}
     rounds: dict[str, list[dict]] = {k: [] for k in servers}
     try:
         for rep in range(a.repeats):
             for name, srv in servers.items():
-                r = asyncio.run(_round(srv.url, body))
+                r = asyncio.run(_round(srv.url, srv.process.pid, body))
                 rounds[name].append(r)
                 print(f"repeat {rep} {name}: one alone {r['alone']:.3f} s, 8 solo median {statistics.median(r['solo']):.3f} s, "
-                      f"beside median {statistics.median(r['beside']):.3f} s, ratio max {max(r['ratios']):.2f}", flush=True)
+                      f"beside median {statistics.median(r['beside']):.3f} s, ratio max {max(r['ratios']):.2f}, "
+                      f"server CPU beside / solo {r['cpu_ratio']:.2f}", flush=True)
     finally:
         for srv in servers.values():
             srv.stop()
@@ -115,6 +136,8 @@ def run_http(a: argparse.Namespace) -> dict:
         ratios = [x for r in rs for x in r["ratios"]]
         summary[name] = {"ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
                          "per_repeat_max": [max(r["ratios"]) for r in rs],
+                         "cpu_ratio_median": statistics.median(r["cpu_ratio"] for r in rs),
+                         "cpu_ratios": [r["cpu_ratio"] for r in rs],
                          "solo_median_s": statistics.median(x for r in rs for x in r["solo"]),
                          "beside_median_s": statistics.median(x for r in rs for x in r["beside"]),
                          "alone_median_s": statistics.median(r["alone"] for r in rs)}

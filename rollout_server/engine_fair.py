@@ -43,9 +43,10 @@ Accounting (deterministic, for tests and metrics): every live sample counts the 
 ran in (``fair_steps``) and skipped (``fair_waits``) and the modelled cost of the steps it ran in
 (``fair_cost``, cost units), and the engine counts throttled steps and skipped rows in ``stats``.
 
-The cost model's constants (:data:`STEP_OVERHEAD_ROWS`, :data:`TOP_LOGPROB_WEIGHT`) were fitted to
-the embedded engine's decode steps on a CPU (``python bench/fairness_bench.py --calibrate``;
-docs/rollout.md, "Fair decode steps"); the engine's constructor takes others.
+The cost model's constants (:data:`STEP_OVERHEAD_ROWS`, :data:`TOP_LOGPROB_WEIGHT`) were chosen
+from measurements of the tiny model on a loaded 2-core CPU, erring low for ``a`` and high for ``γ``
+(both give the big class less); ``python bench/fairness_bench.py --calibrate`` fits them for a
+model and machine, and the engine's constructor takes others (docs/rollout.md, "Fair decode steps").
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ if TYPE_CHECKING:
 __all__ = ["EngineFair", "STEP_OVERHEAD_ROWS", "TOP_LOGPROB_WEIGHT"]
 
 #: ``a`` of the step cost model, in plain rows: a decode step's cost that does not grow with its
-#: rows. Chosen low (it is smaller than measured on the tiny CPU model, where Python overhead dominates,
-#: and about what SmolLM2-135M on a CPU core shows): a low ``a`` gives the big class less, so the
-#: small requests' bound holds on devices where a step's fixed cost is small
+#: rows. Chosen low (the tiny CPU model, where Python overhead dominates, measured about 16): a low
+#: ``a`` gives the big class less, so the small requests' bound holds where a step's fixed cost is small
 STEP_OVERHEAD_ROWS = 2.0
-#: ``γ`` of the step cost model: the cost of one top logprob of one row, in plain rows
-TOP_LOGPROB_WEIGHT = 0.05
+#: ``γ`` of the step cost model: the cost of one top logprob of one row, in plain rows. It covers the
+#: engine's top-k and the server's side: a stream's chunks carry every top logprob (a cumulative stream
+#: resends them, about 9 times in all), built on the same process's GIL as the decode loop; 0.05 left
+#: the server's CPU time beside a maximal request at 1.6-2.3x the small requests' own, 0.1 gives it room
+TOP_LOGPROB_WEIGHT = 0.1
 
 
 class EngineFair:
@@ -165,7 +168,3 @@ class EngineFair:
                 skipped += 1
         self.stats["fair_throttled_steps_total"] += 1
         self.stats["fair_skipped_rows_total"] += skipped
-
-    def fair_summary(self, samples: list[Any]) -> dict:
-        """Per-sample accounting ``{rid: {"steps", "waits", "cost"}}`` (cost in plain-row units)."""
-        return {s.rid: {"steps": s.fair_steps, "waits": s.fair_waits, "cost": s.fair_cost} for s in samples}
