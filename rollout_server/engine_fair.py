@@ -21,11 +21,12 @@ Shenker, "Analysis and Simulation of a Fair Queueing Algorithm", SIGCOMM 1989), 
 the modelled step time rather than bytes, as "Fairness in Serving Large Language Models" (Sheng
 et al., OSDI 2024) counts service in weighted tokens. The quantum is spent as in deficit round
 robin (Shreedhar and Varghese, "Efficient Fair Queuing Using Deficit Round Robin", SIGCOMM 1995):
-each step the big class's deficit grows by the quantum, its rows run in order while their weight
-fits the deficit, what is left carries over (less than one row's weight), and the deficit is
-dropped when the class is served completely (nothing is owed to an empty or fully served queue).
-So over a small request's life its modelled cost is at most F times its cost alone, plus one
-big row's weight. Big rows are served in arrival order (request, then sample), as big requests are
+each step the big class's deficit grows by the quantum; once it covers a mixed step's overhead
+(:data:`MIXED_STEP_OVERHEAD_ROWS`: the second sampling path and the big streams' wake-up that a
+step of both kinds pays) and a row, the overhead is paid and the big rows run in order while their
+weight fits; what is left carries over, and the deficit is dropped when the class is served
+completely (nothing is owed to an empty or fully served queue). So over a small request's life its
+modelled cost is at most F times its cost alone, plus one overhead and one big row's weight. Big rows are served in arrival order (request, then sample), as big requests are
 admitted; when no small row is live, or no big row, every row runs (nothing is throttled).
 
 How a subset of rows runs. The KV cache keeps every row ending at one column
@@ -57,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rollout_server.engine_sample import EngineSample
 
-__all__ = ["EngineFair", "STEP_OVERHEAD_ROWS", "TOP_LOGPROB_WEIGHT"]
+__all__ = ["EngineFair", "MIXED_STEP_OVERHEAD_ROWS", "STEP_OVERHEAD_ROWS", "TOP_LOGPROB_WEIGHT"]
 
 #: ``a`` of the step cost model, in plain rows: a decode step's cost that does not grow with its
 #: rows. Chosen low (the tiny CPU model, where Python overhead dominates, measured about 16): a low
@@ -68,6 +69,10 @@ STEP_OVERHEAD_ROWS = 2.0
 #: resends them, about 9 times in all), built on the same process's GIL as the decode loop; 0.05 left
 #: the server's CPU time beside a maximal request at 1.6-2.3x the small requests' own, 0.1 gives it room
 TOP_LOGPROB_WEIGHT = 0.1
+#: the extra cost of a step that runs big rows beside small ones, in plain rows: a second sampling path
+#: (temperature sampling and top-k beside greedy rows, sample_tokens) and a wake-up of the big
+#: requests' streams, which do not grow with the rows; the big class pays it out of its quantum
+MIXED_STEP_OVERHEAD_ROWS = 4.0
 
 
 class EngineFair:
@@ -97,6 +102,7 @@ class EngineFair:
         if not (math.isfinite(a) and a >= 0 and math.isfinite(g) and g >= 0):
             raise ValueError(f"the step cost model needs finite overhead_rows >= 0 and logprob_weight >= 0, got {a}, {g}")
         self.fair_slowdown, self.fair_overhead_rows, self.fair_logprob_weight = f, a, g
+        self.fair_mixed_rows = MIXED_STEP_OVERHEAD_ROWS
         self._fair_deficit = 0.0  # the big class's DRR deficit, cost units
         self._fair_next_seq = 0  # arrival order of samples (big rows are served in it)
         self.stats["fair_throttled_steps_total"] = 0  # decode steps that left big rows out
@@ -137,9 +143,11 @@ class EngineFair:
         self._fair_deficit += (self.fair_slowdown - 1.0) * (self.fair_overhead_rows + small_w)
         big.sort()
         k = 0
-        while k < len(big) and big[k][1] <= self._fair_deficit:
-            self._fair_deficit -= big[k][1]
-            k += 1
+        if self._fair_deficit >= self.fair_mixed_rows + big[0][1]:  # big rows run: the step pays for mixing once
+            self._fair_deficit -= self.fair_mixed_rows
+            while k < len(big) and big[k][1] <= self._fair_deficit:
+                self._fair_deficit -= big[k][1]
+                k += 1
         if k == len(big):  # the class is served completely: nothing carries over (DRR)
             self._fair_deficit = 0.0
             return None
@@ -153,8 +161,10 @@ class EngineFair:
         return slots[k] if k else last_small + 1
 
     def _fair_account(self, width: int | None, ran: list[EngineSample]) -> None:
-        """Count the step: ``ran`` ran in it (at the cost of ``a + Σ w``), the rows from ``width`` on waited."""
-        cost = self.fair_overhead_rows + sum(self.fair_weight(s) for s in ran)
+        """Count the step: ``ran`` ran in it (at the cost of ``a + Σ w``, + the mixing overhead when it
+        held big and small rows), the rows from ``width`` on waited."""
+        kinds = {s.big for s in ran}
+        cost = self.fair_overhead_rows + sum(self.fair_weight(s) for s in ran) + (self.fair_mixed_rows if len(kinds) == 2 else 0.0)
         for s in ran:
             s.fair_steps += 1
             s.fair_cost += cost
