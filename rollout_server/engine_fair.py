@@ -26,8 +26,9 @@ each step the big class's deficit grows by the quantum; once it covers a mixed s
 step of both kinds pays) and a row, the overhead is paid and the big rows run in order while their
 weight fits; what is left carries over, and the deficit is dropped when the class is served
 completely (nothing is owed to an empty or fully served queue). So over a small request's life its
-modelled cost is at most F times its cost alone, plus one overhead and one big row's weight. Big rows are served in arrival order (request, then sample), as big requests are
-admitted; when no small row is live, or no big row, every row runs (nothing is throttled).
+modelled cost is at most F times its cost alone, plus one overhead and one big row's weight. Big
+rows are served in arrival order (request, then sample), as big requests are admitted; when no
+small row is live, or no big row, every row runs (nothing is throttled).
 
 How a subset of rows runs. The KV cache keeps every row ending at one column
 (:mod:`rollout_server.kv_cache`), and a forward pass reads a prefix of the slots as a view. So the
@@ -53,7 +54,7 @@ model and machine, and the engine's constructor takes others (docs/rollout.md, "
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rollout_server.engine_sample import EngineSample
