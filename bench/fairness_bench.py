@@ -17,12 +17,15 @@ hits them alike; the JSON holds every time, the per-request ratios (beside / sol
 medians and maxima per server, and the server process's CPU seconds while the 8 ran, beside
 against solo: on a loaded machine the wall times move with the load, the CPU seconds much less.
 
+``--engine`` runs the same scenario through the engine in this process (no HTTP: its decode loop
+alone), ``fair`` against ``off``, and reports CPU and wall ratios beside / solo.
+
 ``--calibrate`` instead times the engine's decode steps in this process (no HTTP) for R rows with
 and without 20 top logprobs, and fits ``t = α + β·R + δ·R·k`` by least squares: the step cost
 model of rollout_server/engine_fair.py in plain-row units is ``a = α/β``, ``γ = δ/β``.
 
 Run (at low priority on a shared machine): ``python bench/fairness_bench.py [--model DIR]
-[--repeats 5] [--json docs/bench/fairness.json]`` or ``python bench/fairness_bench.py --calibrate``.
+[--repeats 5] [--json docs/bench/fairness.json]``, ``... --engine`` or ``... --calibrate``.
 """
 
 from __future__ import annotations
@@ -146,6 +149,69 @@ def run_http(a: argparse.Namespace) -> dict:
             "summary": summary, "rounds": rounds}
 
 
+def _engine_phase(eng, with_big: bool, big_tokens: int) -> tuple[float, float]:
+    """8 small requests admitted together (the engine paused in place meanwhile), beside the maximal
+    request or not; returns (this process's CPU seconds, wall seconds) until the 8 finished."""
+    from rollout_server.engine_sample import EngineGroup, EngineSample
+    from rollout_server.sampling import SamplingParams
+
+    tag = f"{time.monotonic()}"
+    big = []
+    if with_big:
+        big = [EngineSample(f"big-{tag}-{j}", [1, 2, 3, 4], SamplingParams(max_new_tokens=big_tokens, temperature=1.0,
+                                                                          ignore_eos=True),
+                            return_logprob=True, top_logprobs_num=20) for j in range(56)]
+        eng.submit([EngineGroup([1, 2, 3, 4], big)])
+        while len(big[0].output_ids) < 3:
+            time.sleep(0.001)
+    eng.call("pause", "in_place").result()
+    small = [EngineSample(f"s-{tag}-{i}", [5, 6, 7 + i], SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+             for i in range(8)]
+    for s in small:
+        eng.submit([EngineGroup(s.prompt_ids, [s])])
+    c0, t0 = time.process_time(), time.monotonic()
+    eng.call("resume").result()
+    while not all(s.finished for s in small):
+        time.sleep(0.01)
+    cpu, wall = time.process_time() - c0, time.monotonic() - t0
+    if big:
+        eng.abort(f"big-{tag}")
+        while not all(s.finished for s in big):
+            time.sleep(0.01)
+    return cpu, wall
+
+
+def run_engine(a: argparse.Namespace) -> dict:
+    """The scenario through :class:`rollout_server.engine.Engine` in this process (no HTTP), F = 2 and off."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.models import build_tiny_model
+    from rollout_server.engine import Engine
+    from rollout_server.testing import make_random_model
+
+    torch.set_num_threads(a.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="fairness_engine_"))
+    path = a.model or str(make_random_model(build_tiny_model(tmp / "tiny"), tmp / "varied", seed=1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = {}
+    for name, slowdown in (("fair", 2.0), ("off", float("inf"))):
+        eng = Engine(model, None, context_len=1024, max_batch_size=64, threads=a.threads, fair_slowdown=slowdown).start()
+        try:
+            _engine_phase(eng, False, 400)  # warm
+            reps = []
+            for _ in range(a.repeats):
+                cs, ts = _engine_phase(eng, False, 400)
+                cb, tb = _engine_phase(eng, True, 400)
+                reps.append({"cpu_ratio": cb / cs, "wall_ratio": tb / ts, "cpu_solo_s": cs, "cpu_beside_s": cb})
+                print(f"{name}: CPU beside / solo {cb / cs:.2f}, wall {tb / ts:.2f}", flush=True)
+        finally:
+            eng.stop()
+        out[name] = reps
+    return {"mode": "engine (in process)", "model": record_path(a.model) if a.model else "tiny (random, seed 1)",
+            "threads": a.threads, "repeats": out}
+
+
 def calibrate(a: argparse.Namespace) -> dict:
     """Decode-step time for R rows with k top logprobs; the least-squares fit of the step cost model."""
     import torch
@@ -196,9 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--calibrate", action="store_true", help="fit the step cost model instead")
+    p.add_argument("--engine", action="store_true", help="the scenario through the engine in this process, no HTTP")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    result = calibrate(a) if a.calibrate else run_http(a)
+    result = calibrate(a) if a.calibrate else run_engine(a) if a.engine else run_http(a)
     emit(result, Path(a.json) if a.json else None)
     return result
 
