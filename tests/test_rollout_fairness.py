@@ -169,3 +169,18 @@ def test_fair_policy_arguments_are_checked(model):
         Engine(model, None, context_len=64, fair_step_overhead_rows=-1)
     with pytest.raises(ValueError, match="logprob_weight >= 0"):
         Engine(model, None, context_len=64, fair_logprob_weight=float("nan"))
+
+
+def test_fair_slowdown_flag_and_config_are_bounded():
+    """``--fair-slowdown`` below 1 is refused with a message naming the flag; the config field passes to the server."""
+    from asyncrl.core.config import load_config
+    from rollout_server.limits import limit_flags
+    from rollout_server.server_options import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--fair-slowdown", "0.5"])
+    assert parse_args(["--model-path", "m", "--fair-slowdown", "1.5"]).limits.fair_slowdown == 1.5
+    flags = limit_flags(load_config(["--rollout.engine_fair_slowdown", "3"], environ={}).rollout)
+    assert flags[flags.index("--fair-slowdown") + 1] == "3.0"
+    with pytest.raises(Exception, match="engine_fair_slowdown"):
+        load_config(["--rollout.engine_fair_slowdown", "0.5"], environ={})
