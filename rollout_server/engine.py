@@ -49,6 +49,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from rollout_server.engine_fair import EngineFair
 from rollout_server.engine_outputs import EngineOutputs, eos_ids
 from rollout_server.engine_prefill import EnginePrefill
 from rollout_server.engine_sample import EngineGroup, EngineSample, abort_reason
@@ -74,7 +75,7 @@ class _Item:
         return bool(self.samples) and self.samples[0].big
 
 
-class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutputs):
+class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutputs, EngineFair):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
@@ -94,6 +95,12 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
             hold at most ``max_batch_size - reserve_rows`` rows together, so a small request
             never waits for a big one to finish; big requests are admitted in arrival order, and
             small ones never take the rows the oldest waiting big one needs (no starvation).
+        fair_slowdown: F ≥ 1: while small requests run, a decode step costs at most F times their
+            step alone in the engine's cost model; the big requests' rows share the rest, by
+            deficit round robin (rollout_server/engine_fair.py). None: 2; ``math.inf``: every
+            row runs in every step.
+        fair_step_overhead_rows, fair_logprob_weight: the cost model's ``a`` and ``γ``
+            (None: :data:`rollout_server.engine_fair.STEP_OVERHEAD_ROWS`, ``TOP_LOGPROB_WEIGHT``).
         max_loaded_loras: most named LoRA adapters registered at once (``/load_lora_adapter``;
             rollout_server/engine_lora.py; SGLang's ``--max-loaded-loras``).
     """
@@ -112,6 +119,9 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
         on_update: Callable[[list[EngineSample]], None] | None = None,
         reserve_rows: int | None = None,
         max_loaded_loras: int = 8,
+        fair_slowdown: float | None = None,
+        fair_step_overhead_rows: float | None = None,
+        fair_logprob_weight: float | None = None,
     ):
         import torch
 
@@ -162,6 +172,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
             "request_errors_total": 0,  # requests failed alone by an error of their own (engine_outputs._fail_requests)
             "follow_switches_total": 0,  # thread-count changes under resources.core_sharing: follow
         }
+        self._init_fair(fair_slowdown, fair_step_overhead_rows, fair_logprob_weight)  # engine_fair.py
         # resources.core_sharing: follow — all cores' threads while the trainer waits (asyncrl/core/core_follow.py)
         from asyncrl.core.core_follow import follower_from_env
 
@@ -322,6 +333,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
                     for s in g.samples:
                         self._live[s.rid] = s
                         s.big = big
+                        self._fair_enter(s)
                     self._waiting.append(_Item(list(g.prompt_ids), list(g.samples)))
                     self.stats["num_requests_total"] += len(g.samples)
             elif kind == "abort":
@@ -447,14 +459,20 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
     # -- decode -------------------------------------------------------------------------------
 
     def _decode_step(self) -> list[EngineSample]:
+        """One token for every row the fair policy runs (all rows, or a prefix of the slots: engine_fair.py)."""
         torch = self.torch
-        B = len(self._rows)
-        self._ensure_capacity(B, self._length + 1)
+        width = self._fair_width()  # None: every row; else the step runs slots [0, width) (arranged)
+        if self._squeeze_holes():
+            self.stats["fair_squeezes_total"] += 1
+        self._ensure_capacity(len(self._rows), self._length + 1)
+        B = len(self._rows) if width is None else width
         col = self._length
+        if width is not None:
+            self._leave_hole(width)  # the rows left out keep everything; the column is a masked hole in them
         self._mask[:B, col] = True
         mask4 = self._mask[:B, None, None, : col + 1]
         out = self._forward_with_adapters(
-            [r.sample.adapter if r is not None else None for r in self._rows],
+            [r.sample.adapter if r is not None else None for r in self._rows[:B]],
             input_ids=self._next[:B, None],
             attention_mask=mask4,
             position_ids=self._pos[:B, None],
@@ -464,12 +482,13 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
         )
         self._length = col + 1
         self._pos[:B] += 1
-        live = [i for i, r in enumerate(self._rows) if r is not None]
+        live = [i for i, r in enumerate(self._rows[:B]) if r is not None]
         logits = out.logits[:, -1, :].float()
         if len(live) < B:
             logits = logits[torch.tensor(live, device=self.device)]
         samples = [self._rows[i].sample for i in live]
         self.stats["decode_steps_total"] += 1
+        self._fair_account(width, samples)
         bad = self._nonfinite_rows(logits)
         failed: list[EngineSample] = []
         if bad:

@@ -61,6 +61,12 @@ class EngineSample:
     lora_name: str | None = None
     #: engine-private: that adapter, bound at submission (kept to the sample's end, even if unloaded meanwhile)
     adapter: Any = None
+    #: engine-private, fair decode steps (rollout_server/engine_fair.py): arrival order; decode steps
+    #: the sample ran in and waited through; the modelled cost of the steps it ran in (plain-row units)
+    fair_seq: int = 0
+    fair_steps: int = 0
+    fair_waits: int = 0
+    fair_cost: float = 0.0
     # engine-private
     _stop_scan_from: int = 0
     _stop_text_len: int = 0

@@ -17,7 +17,12 @@ slots (reused by the next arrival) and compacted away when they exceed a quarter
 padding columns no live row needs are trimmed the same way. Padding columns hold zeros, never
 stale or uninitialised memory: masked columns still take part in the attention arithmetic, and
 one NaN/inf there made a whole row's logits NaN (the multinomial "inf, nan or element < 0"
-failures).
+failures). A decode step may run only a prefix of the slots (fair steps,
+:mod:`rollout_server.engine_fair`): the rows it leaves out get a masked, zeroed *hole* at its
+column, the slots are permuted into serving order when needed (:meth:`KVCacheSlots._arrange`),
+and holes are squeezed out of the rows when they would double the buffer's width
+(:meth:`KVCacheSlots._squeeze_holes`; keys carry their rotary position from when they were
+written, so moving a column changes nothing but where it lives).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = ["KVCacheSlots"]
 class _Row:
     sample: EngineSample
     start: int  # first real column of this row in the batch buffer
+    holes: int = 0  # masked columns inside [start, length): decode steps this row skipped (engine_fair.py)
 
 
 class _BufferLayer:
@@ -196,6 +202,61 @@ class KVCacheSlots:
         self._mask = self._pos = self._next = None
         self._slots = self._cols = self._length = 0
         self._rows = []
+
+    def _arrange(self, order: list[int]) -> None:
+        """Permute the slots: slot ``k`` gets the row of slot ``order[k]`` (live rows only; the others are dropped)."""
+        torch = self.torch
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        n, L = len(order), self._length
+        for layer in range(self.num_layers):
+            self._K[layer][:n, :, :L] = self._K[layer][idx, :, :L]
+            self._V[layer][:n, :, :L] = self._V[layer][idx, :, :L]
+        self._mask[:n, :L] = self._mask[idx, :L]
+        self._pos[:n] = self._pos[idx].clone()
+        self._next[:n] = self._next[idx].clone()
+        self._rows = [self._rows[i] for i in order]
+
+    def _leave_hole(self, width: int) -> None:
+        """The slots from ``width`` on skip the step writing column ``_length``: mask it and zero it there."""
+        B, col = len(self._rows), self._length
+        if width >= B:
+            return
+        self._mask[width:B, col] = False
+        for layer in range(self.num_layers):
+            self._K[layer][width:B, :, col] = 0
+            self._V[layer][width:B, :, col] = 0
+
+    def _squeeze_holes(self) -> bool:
+        """Move every live row's real columns together, right-aligned, when holes would double the width.
+
+        Returns whether it squeezed. Cost: one gather of the live rows' keys and values.
+        """
+        torch = self.torch
+        live = [(i, r) for i, r in enumerate(self._rows) if r is not None]
+        if not live or not any(r.holes for _, r in live):
+            return False
+        width = self._length - min(r.start for _, r in live)
+        need = max(self._length - r.start - r.holes for _, r in live)
+        if width < 2 * need + 32:
+            return False
+        B, L = len(self._rows), self._length
+        cols = [torch.nonzero(self._mask[i, :L]).flatten() for i, _ in live]  # each row's real columns
+        need = max(int(c.numel()) for c in cols)
+        src = torch.zeros(B, need, dtype=torch.long, device=self.device)
+        keep = torch.zeros(B, need, dtype=torch.bool, device=self.device)
+        for (i, r), c in zip(live, cols):
+            n = int(c.numel())
+            src[i, need - n :] = c
+            keep[i, need - n :] = True
+            r.start, r.holes = need - n, 0
+        for layer in range(self.num_layers):
+            for buf in (self._K[layer], self._V[layer]):
+                moved = buf[:B, :, :L].gather(2, src[:, None, :, None].expand(B, buf.shape[1], need, buf.shape[3]))
+                buf[:B, :, :need] = moved.masked_fill(~keep[:, None, :, None], 0)
+        self._mask[:B, :need] = keep
+        self._mask[:B, need:L] = False
+        self._length = need
+        return True
 
     def _maybe_compact(self) -> None:
         """Drop dead tail slots; compact when dead slots exceed a quarter; trim unused left columns."""

@@ -80,6 +80,10 @@ class ServerLimits:
         fair_reserve_rows: rows that requests of more samples than this never take together
             (None: ``max_running_requests // 8``): a small request always finds a row soon, so a
             big one delays it by a bounded factor (docs/security.md, "Fairness").
+        fair_slowdown: F: while requests of at most ``fair_reserve_rows`` samples run, a decode
+            step costs at most F times their step alone in the engine's cost model, the big
+            requests' rows sharing the rest (rollout_server/engine_fair.py); a huge value turns
+            the throttling off.
         header_timeout_seconds: a connection must deliver a complete request head within this
             (also the idle keep-alive timeout; aiohttp's ``keepalive_timeout``).
         body_timeout_seconds: a request body must arrive completely within this.
@@ -95,6 +99,7 @@ class ServerLimits:
     cumulative_stream_entries: int = 4096
     max_request_cost: int = 1 << 20
     fair_reserve_rows: int | None = None
+    fair_slowdown: float = 2.0
     header_timeout_seconds: float = 20.0
     body_timeout_seconds: float = 60.0
     weight_group_timeout_seconds: float = 60.0
@@ -115,14 +120,14 @@ class ServerLimits:
 _FLAG_TYPES: dict[str, Callable[[str], Any]] = {
     "max_request_bytes": int, "max_weights_request_bytes": int, "max_prompts_per_request": int,
     "max_queued_requests": int, "max_top_logprobs_num": int, "cumulative_stream_entries": int,
-    "max_request_cost": int, "fair_reserve_rows": int,
+    "max_request_cost": int, "fair_reserve_rows": int, "fair_slowdown": float,
     "header_timeout_seconds": float, "body_timeout_seconds": float, "weight_group_timeout_seconds": float,
 }
 #: lower bounds of the flags (the config fields carry the same ones)
 _FLAG_MIN: dict[str, float] = {
     "max_request_bytes": 1024, "max_weights_request_bytes": 1024, "max_prompts_per_request": 1,
     "max_queued_requests": 0, "max_top_logprobs_num": 0, "cumulative_stream_entries": 64,
-    "max_request_cost": 1, "fair_reserve_rows": 0,
+    "max_request_cost": 1, "fair_reserve_rows": 0, "fair_slowdown": 1.0,
     "header_timeout_seconds": 0.1, "body_timeout_seconds": 0.1, "weight_group_timeout_seconds": 0.1,
 }
 

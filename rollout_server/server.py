@@ -137,6 +137,7 @@ class RolloutHTTPServer(WeightEndpoints):
             threads=self.opts.engine_threads,
             on_update=self._on_engine_update,
             reserve_rows=self.limits.fair_reserve_rows,
+            fair_slowdown=self.limits.fair_slowdown,
         )
         self._setup_limits()
         self._setup_metrics()

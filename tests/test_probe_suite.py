@@ -222,9 +222,9 @@ def test_small_requests_never_wait_for_a_maximal_one(srv):
     solo, together, beside, streamed, big_seconds = asyncio.run(run())
     # What the reserve guarantees: the small requests do not wait for the big one. Without it (or with
     # a "maximal" request of exactly the reserve's size, which is not big) they finished with it, at
-    # 2.1-2.2 s against 0.07-0.1 s solo. Issue 31's 2x bound is not met: measured 4.7-6x on an idle
-    # machine (2x under load), because a decode step's cost is shared by rows, not by request weight
-    # (docs/security.md, "Fairness"), so no factor of the solo time is asserted.
+    # 2.1-2.2 s against 0.07-0.1 s solo. Issue 31's 2x bound on their slowdown (fair decode steps) is
+    # asserted in the engine's cost accounting (tests/test_rollout_fairness.py) and measured in wall-clock
+    # time by bench/fairness_bench.py: no timed factor is asserted on a shared machine.
     assert 2 * max(beside) < big_seconds, (
         f"the small requests waited for the big one: solo {solo:.3f} s, 8 together {max(together):.3f} s, "
         f"beside the maximal request {[round(b, 3) for b in beside]}, which took {big_seconds:.1f} s")

@@ -352,6 +352,8 @@ class RolloutConfig(_Section):
     """Embedded engine: most output entries one ``/generate`` request may produce, samples x ``max_new_tokens`` x logprob width (2 + ``top_logprobs_num`` with ``return_logprob``, else 1); more is a 400 naming the bound (docs/security.md)."""
     engine_fair_reserve_rows: int | None = Field(None, ge=0, le=1_000_000)
     """Embedded engine: decode rows that requests with more samples than this never take together, so small requests keep running beside a big one (None: ``engine_max_batch_size // 8``; docs/security.md)."""
+    engine_fair_slowdown: float = Field(2.0, ge=1.0, le=1e9)
+    """Embedded engine: while requests of at most ``engine_fair_reserve_rows`` samples run, a decode step costs at most this many times their step alone (the engine's cost model); bigger requests' rows share the rest by deficit round robin (docs/security.md)."""
     engine_header_timeout_seconds: float = Field(20.0, ge=0.1, le=3600.0)
     """Embedded engine: a connection must deliver a complete request head within this (also the idle keep-alive timeout)."""
     engine_body_timeout_seconds: float = Field(60.0, ge=0.1, le=3600.0)

@@ -1,0 +1,274 @@
+"""Fairness benchmark (issue 31 item 1): small requests' time beside a maximal admissible one, against alone.
+
+The issue's scenario over real HTTP: an embedded server (``python -m rollout_server.server``, the
+tiny random model by default, ``--max-running-requests 64``, the default reserve of 8 rows and cost
+bound of 2^20 entries) gets the largest request it admits, ``{"input_ids": [1, 2, 3, 4], "stream":
+true, "return_logprob": true, "top_logprobs_num": 20, "sampling_params": {"n": 56,
+"max_new_tokens": 851, "ignore_eos": true}}``, and, once it streams, 8 small requests at once
+(32 greedy tokens each, ``ignore_eos``). Each small request's time is compared with its time when
+the same 8 run without the big request ("solo": the 8 together, so the ratio is what the big
+request adds) and, for reference, with one small request entirely alone. The big request is
+then dropped (closing its stream aborts it).
+
+Two servers run side by side in this one process tree: ``fair`` (``--fair-slowdown 2``, the
+default) and ``off`` (``--fair-slowdown 1e9``: every row runs in every step, the behaviour before
+fair decode steps). Each repeat measures both, back to back, so a change of the machine's load
+hits them alike; the JSON holds every time, the per-request ratios (beside / solo) and their
+medians and maxima per server, and the server process's CPU seconds while the 8 ran, beside
+against solo: on a loaded machine the wall times move with the load, the CPU seconds much less.
+
+``--engine`` runs the same scenario through the engine in this process (no HTTP: its decode loop
+alone), ``fair`` against ``off``, and reports CPU and wall ratios beside / solo.
+
+``--calibrate`` instead times the engine's decode steps in this process (no HTTP) for R rows with
+and without 20 top logprobs, and fits ``t = α + β·R + δ·R·k`` by least squares: the step cost
+model of rollout_server/engine_fair.py in plain-row units is ``a = α/β``, ``γ = δ/β``.
+
+Run (at low priority on a shared machine): ``python bench/fairness_bench.py [--model DIR]
+[--repeats 5] [--json docs/bench/fairness.json]``, ``... --engine`` or ``... --calibrate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._report import emit, record_path  # noqa: E402
+
+SMALL = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 32, "ignore_eos": True, "temperature": 0}}
+
+
+def maximal(rows: int, reserve: int, cost: int) -> dict:
+    """The largest request a server of ``rows`` rows, ``reserve`` reserved and cost bound ``cost`` admits (issue 31)."""
+    n = rows - reserve
+    return {"input_ids": [1, 2, 3, 4], "stream": True, "return_logprob": True, "top_logprobs_num": 20,
+            "sampling_params": {"n": n, "max_new_tokens": cost // (n * 22), "ignore_eos": True}}
+
+
+async def _small(http, url: str) -> float:
+    t0 = time.monotonic()
+    async with http.post(url + "/generate", json=SMALL) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+    return time.monotonic() - t0
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def _round(url: str, pid: int, big_body: dict) -> dict:
+    """One measurement on one server: one small alone, 8 together, 8 beside the maximal request.
+
+    Besides each small request's wall time, the server process's CPU seconds while the 8 ran
+    (solo and beside): a load-independent measure of the work the small requests shared the
+    server with (one engine thread and the event loop, sharing the GIL: about one core).
+    """
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await _small(http, url)  # warm
+        alone = await _small(http, url)
+        c0 = _cpu_seconds(pid)
+        solo = await asyncio.gather(*[_small(http, url) for _ in range(8)])
+        cpu_solo = _cpu_seconds(pid) - c0
+        streaming = asyncio.Event()
+
+        async def big() -> None:
+            async with http.post(url + "/generate", json=big_body) as r:
+                assert r.status == 200, await r.text()
+                async for _ in r.content.iter_any():
+                    streaming.set()
+
+        task = asyncio.create_task(big())
+        await asyncio.wait_for(streaming.wait(), 120)
+        await asyncio.sleep(0.2)
+        c0 = _cpu_seconds(pid)
+        beside = await asyncio.gather(*[_small(http, url) for _ in range(8)])
+        cpu_beside = _cpu_seconds(pid) - c0
+        task.cancel()  # closing the stream aborts the big request
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.5)
+    return {"alone": alone, "solo": list(solo), "beside": list(beside),
+            "ratios": [b / s for b, s in zip(sorted(beside), sorted(solo))],
+            "cpu_solo_s": cpu_solo, "cpu_beside_s": cpu_beside, "cpu_ratio": cpu_beside / max(cpu_solo, 1e-9)}
+
+
+def run_http(a: argparse.Namespace) -> dict:
+    """The HTTP scenario on a ``fair`` and an ``off`` server, ``a.repeats`` times each, interleaved."""
+    from asyncrl.models import build_tiny_model
+    from rollout_server.testing import make_random_model, start_embedded_server
+
+    tmp = Path(tempfile.mkdtemp(prefix="fairness_bench_"))
+    model = a.model or str(make_random_model(build_tiny_model(tmp / "tiny"), tmp / "varied", seed=1))
+    body = maximal(a.rows, a.reserve, a.cost)
+    common = ["--max-running-requests", str(a.rows), "--fair-reserve-rows", str(a.reserve), "--max-request-cost", str(a.cost)]
+    servers = {"fair": start_embedded_server(model, *common, threads=a.threads, log_path=tmp / "fair.log",
+                                             ready_timeout_seconds=600),
+               "off": start_embedded_server(model, *common, "--fair-slowdown", "1e9", threads=a.threads,
+                                            log_path=tmp / "off.log", ready_timeout_seconds=600)}
+    rounds: dict[str, list[dict]] = {k: [] for k in servers}
+    try:
+        for rep in range(a.repeats):
+            for name, srv in servers.items():
+                r = asyncio.run(_round(srv.url, srv.process.pid, body))
+                rounds[name].append(r)
+                print(f"repeat {rep} {name}: one alone {r['alone']:.3f} s, 8 solo median {statistics.median(r['solo']):.3f} s, "
+                      f"beside median {statistics.median(r['beside']):.3f} s, ratio max {max(r['ratios']):.2f}, "
+                      f"server CPU beside / solo {r['cpu_ratio']:.2f}", flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    summary = {}
+    for name, rs in rounds.items():
+        ratios = [x for r in rs for x in r["ratios"]]
+        summary[name] = {"ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
+                         "per_repeat_max": [max(r["ratios"]) for r in rs],
+                         "cpu_ratio_median": statistics.median(r["cpu_ratio"] for r in rs),
+                         "cpu_ratios": [r["cpu_ratio"] for r in rs],
+                         "solo_median_s": statistics.median(x for r in rs for x in r["solo"]),
+                         "beside_median_s": statistics.median(x for r in rs for x in r["beside"]),
+                         "alone_median_s": statistics.median(r["alone"] for r in rs)}
+    return {"big_request": body, "small_request": SMALL, "rows": a.rows, "reserve": a.reserve, "cost": a.cost,
+            "threads": a.threads, "model": record_path(a.model) if a.model else "tiny (random, seed 1)",
+            "summary": summary, "rounds": rounds}
+
+
+def _engine_phase(eng, with_big: bool, big_tokens: int) -> tuple[float, float]:
+    """8 small requests admitted together (the engine paused in place meanwhile), beside the maximal
+    request or not; returns (this process's CPU seconds, wall seconds) until the 8 finished."""
+    from rollout_server.engine_sample import EngineGroup, EngineSample
+    from rollout_server.sampling import SamplingParams
+
+    tag = f"{time.monotonic()}"
+    big = []
+    if with_big:
+        big = [EngineSample(f"big-{tag}-{j}", [1, 2, 3, 4], SamplingParams(max_new_tokens=big_tokens, temperature=1.0,
+                                                                          ignore_eos=True),
+                            return_logprob=True, top_logprobs_num=20) for j in range(56)]
+        eng.submit([EngineGroup([1, 2, 3, 4], big)])
+        while len(big[0].output_ids) < 3:
+            time.sleep(0.001)
+    eng.call("pause", "in_place").result()
+    small = [EngineSample(f"s-{tag}-{i}", [5, 6, 7 + i], SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+             for i in range(8)]
+    for s in small:
+        eng.submit([EngineGroup(s.prompt_ids, [s])])
+    c0, t0 = time.process_time(), time.monotonic()
+    eng.call("resume").result()
+    while not all(s.finished for s in small):
+        time.sleep(0.01)
+    cpu, wall = time.process_time() - c0, time.monotonic() - t0
+    if big:
+        eng.abort(f"big-{tag}")
+        while not all(s.finished for s in big):
+            time.sleep(0.01)
+    return cpu, wall
+
+
+def run_engine(a: argparse.Namespace) -> dict:
+    """The scenario through :class:`rollout_server.engine.Engine` in this process (no HTTP), F = 2 and off."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.models import build_tiny_model
+    from rollout_server.engine import Engine
+    from rollout_server.testing import make_random_model
+
+    torch.set_num_threads(a.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="fairness_engine_"))
+    path = a.model or str(make_random_model(build_tiny_model(tmp / "tiny"), tmp / "varied", seed=1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = {}
+    for name, slowdown in (("fair", 2.0), ("off", float("inf"))):
+        eng = Engine(model, None, context_len=1024, max_batch_size=64, threads=a.threads, fair_slowdown=slowdown).start()
+        try:
+            _engine_phase(eng, False, 400)  # warm
+            reps = []
+            for _ in range(a.repeats):
+                cs, ts = _engine_phase(eng, False, 400)
+                cb, tb = _engine_phase(eng, True, 400)
+                reps.append({"cpu_ratio": cb / cs, "wall_ratio": tb / ts, "cpu_solo_s": cs, "cpu_beside_s": cb})
+                print(f"{name}: CPU beside / solo {cb / cs:.2f}, wall {tb / ts:.2f}", flush=True)
+        finally:
+            eng.stop()
+        out[name] = reps
+    return {"mode": "engine (in process)", "model": record_path(a.model) if a.model else "tiny (random, seed 1)",
+            "threads": a.threads, "repeats": out}
+
+
+def calibrate(a: argparse.Namespace) -> dict:
+    """Decode-step time for R rows with k top logprobs; the least-squares fit of the step cost model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.models import build_tiny_model
+    from rollout_server.engine import Engine
+    from rollout_server.engine_sample import EngineGroup, EngineSample
+    from rollout_server.sampling import SamplingParams
+    from rollout_server.testing import make_random_model
+
+    torch.set_num_threads(a.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="fairness_cal_"))
+    path = a.model or str(make_random_model(build_tiny_model(tmp / "tiny"), tmp / "varied", seed=1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = Engine(model, None, context_len=1024, max_batch_size=64, threads=a.threads, fair_slowdown=float("inf")).start()
+    points = []
+    try:
+        for _ in range(a.repeats):
+            for rows in (1, 8, 16, 32, 56):
+                for k in (0, 20):
+                    ss = [EngineSample(f"c{rows}-{k}-{j}-{time.monotonic()}", [1, 2, 3, 4],
+                                       SamplingParams(max_new_tokens=41, temperature=1.0, ignore_eos=True),
+                                       return_logprob=True, top_logprobs_num=k) for j in range(rows)]
+                    eng.submit([EngineGroup([1, 2, 3, 4], ss)])
+                    while not all(s.finished for s in ss):
+                        time.sleep(0.002)
+                    first = max(s.first_token_time for s in ss)
+                    last = max(s.finished_time for s in ss)
+                    points.append((rows, k, (last - first) / 40))
+    finally:
+        eng.stop()
+    X = torch.tensor([[1.0, r, r * k] for r, k, _ in points], dtype=torch.float64)
+    y = torch.tensor([t for _, _, t in points], dtype=torch.float64)
+    alpha, beta, delta = torch.linalg.lstsq(X, y[:, None]).solution.flatten().tolist()
+    table = {f"{r} rows, k={k}": statistics.median(t for rr, kk, t in points if (rr, kk) == (r, k)) for r, k, _ in points}
+    return {"model": record_path(a.model) if a.model else "tiny (random, seed 1)", "threads": a.threads, "step_seconds_median": table,
+            "alpha_s": alpha, "beta_s_per_row": beta, "delta_s_per_row_per_top_logprob": delta,
+            "a_rows": alpha / beta if beta > 0 else None, "gamma_rows": delta / beta if beta > 0 else None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF model directory (default: the tiny random model)")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--reserve", type=int, default=8)
+    p.add_argument("--cost", type=int, default=1 << 20)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calibrate", action="store_true", help="fit the step cost model instead")
+    p.add_argument("--engine", action="store_true", help="the scenario through the engine in this process, no HTTP")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    result = calibrate(a) if a.calibrate else run_engine(a) if a.engine else run_http(a)
+    emit(result, Path(a.json) if a.json else None)
+    return result
+
+
+if __name__ == "__main__":
+    main()
