@@ -1,0 +1,128 @@
+"""The rollout profile (issue 28 item 4): the engine thread's seconds by component, their export,
+and the shared prefill of identical prompts sent as separate requests.
+
+Real engine (the tiny model redrawn at std 0.2, fp32, one thread), real HTTP server in-process;
+no timing thresholds: only that the accounting is complete and lands in the right components.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+
+from asyncrl.metrics.labels import ENGINE_COMPONENTS
+from rollout_server.engine import Engine
+from rollout_server.engine_sample import EngineGroup, EngineSample
+from rollout_server.sampling import SamplingParams
+from rollout_server.testing import make_random_model, recompute_logprobs
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    return make_random_model(tiny_model_dir, tmp_path_factory.mktemp("profile") / "m", seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _sample(rid: str, prompt: list[int], n: int) -> EngineSample:
+    return EngineSample(rid, list(prompt), SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True),
+                        return_logprob=True)
+
+
+def _wait(samples: list[EngineSample], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(s.finished for s in samples):
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        time.sleep(0.01)
+
+
+def test_identical_prompts_share_one_prefill_row(model):
+    """Requests of the same prompt admitted together run one prefill row; their logprobs are still
+    the trainer's recomputation and every sample samples on its own (the n samples differ)."""
+    eng = Engine(model, None, context_len=512, max_batch_size=16, threads=1)
+    p, q = [5, 17, 42, 8, 99, 3, 61], [7, 7, 13]
+    samples = [_sample(f"p{i}", p, 6) for i in range(5)] + [_sample(f"q{i}", q, 6) for i in range(3)]
+    eng.submit([EngineGroup(s.prompt_ids, [s]) for s in samples])  # one request per sample, as the worker sends
+    eng.start()
+    try:
+        _wait(samples)
+    finally:
+        eng.stop()
+    assert eng.stats["prompt_tokens_total"] == 5 * len(p) + 3 * len(q)
+    assert eng.stats["prefill_forward_tokens_total"] == len(p) + len(q)  # one row per distinct prompt
+    for s in samples:
+        assert s.finish_reason["type"] == "length" and len(s.output_ids) == 6
+        ref = recompute_logprobs(model, s.prompt_ids, s.output_ids)
+        assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < 1e-4, s.rid
+    assert len({tuple(s.output_ids) for s in samples[:5]}) > 1  # not one draw copied to every sample
+
+
+def test_profile_accounts_the_engine_thread(model):
+    """Every second of the engine thread lands in one component; the work lands where it belongs."""
+    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
+    t0 = time.perf_counter()
+    eng.start()
+    try:
+        time.sleep(0.2)  # idle
+        samples = [_sample(f"r{i}", [3 + i, 9, 27, 4], 12) for i in range(4)]
+        eng.submit([EngineGroup(s.prompt_ids, [s]) for s in samples])
+        _wait(samples)
+        eng.call("pause", "in_place").result(60)
+        time.sleep(0.2)  # paused
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if k == "model.norm.weight"}
+        eng.call("update_weights", state, "1", False).result(60)
+        eng.call("resume").result(60)
+    finally:
+        eng.stop()
+    wall = time.perf_counter() - t0
+    prof = eng.profile_snapshot()
+    assert tuple(prof) == ENGINE_COMPONENTS
+    for component in ("prefill_forward", "decode_forward", "sampling", "decode_other", "weights", "idle", "paused"):
+        assert prof[component] > 0, (component, prof)
+    assert prof["idle"] >= 0.15 and prof["paused"] >= 0.15, prof
+    assert sum(prof.values()) <= wall
+    assert sum(prof.values()) >= 0.5 * wall, (wall, prof)  # nothing big unaccounted (the thread's start and end are not)
+
+
+async def test_metrics_export_the_profile(model_dir):
+    """``/metrics`` and ``/get_server_info`` of the embedded server carry the engine's seconds by component."""
+    from aiohttp import ClientSession, web
+
+    from asyncrl.core.net import free_port
+    from rollout_server.client import EngineClient
+    from rollout_server.server import RolloutHTTPServer, ServerOptions
+
+    port = free_port()
+    server = RolloutHTTPServer(ServerOptions(str(model_dir), port=port, weight_version="0", engine_threads=1,
+                                             incremental_streaming_output=True))
+    await asyncio.get_running_loop().run_in_executor(None, server.load)
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with EngineClient(url) as c:
+            await c.generate_collect([4, 5, 6], {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True})
+        async with ClientSession() as http:
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+            async with http.get(url + "/get_server_info") as r:
+                info = await r.json()
+    finally:
+        await runner.cleanup()
+    found = dict(re.findall(r'^asyncrl_rollout_engine_seconds_total\{component="(\w+)"\} (\S+)$', text, re.M))
+    assert set(found) == set(ENGINE_COMPONENTS)
+    assert float(found["decode_forward"]) > 0 and float(found["prefill_forward"]) > 0
+    assert set(info["engine_profile_seconds"]) == set(ENGINE_COMPONENTS)
+    assert info["engine_profile_seconds"]["decode_forward"] >= float(found["decode_forward"])
