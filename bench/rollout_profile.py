@@ -32,7 +32,8 @@ config are used as they are), then with the working tree, one after the other, a
 On a loaded machine alternate them (``--rounds 2``) and compare ratios, not absolute rates.
 
 Run: ``python bench/rollout_profile.py [--config configs/smollm2_arith.yaml] [--steps 6]
-[--threads 2] [--train_seconds 4] [--compare main] [--rounds 1] [--json out.json]``.
+[--threads 2] [--train_seconds 4] [--max_seconds 0] [--gen_tokens 128] [--compare main] [--rounds 1]
+[--json out.json]``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ def parse_metrics(text: str) -> dict[str, Any]:
         m = re.match(r"^sglang:(generation_tokens|prompt_tokens)_total\{[^}]*\} (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of process ``pid``: its main thread (the rollout server's event loop: HTTP
+    streaming, the worker, the Redis client) and all its other threads (the engine thread, torch's
+    OpenMP workers, executor threads), from ``/proc/<pid>/task/*/stat`` (utime + stime)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"event_loop_thread": 0.0, "other_threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of proc(5))
+        out["event_loop_thread" if int(task.name) == pid else "other_threads"] += seconds
     return out
 
 
@@ -137,7 +154,7 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
                     await asyncio.sleep(0.25)
                     try:
                         async with http.get(url + "/v1/loads", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                            running.append(int((await r.json())["num_running_reqs"]))
+                            running.append(int((await r.json())["loads"][0]["num_running_reqs"]))
                     except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
                         pass
 
@@ -147,17 +164,23 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
 
             helpers = [asyncio.create_task(feed()), asyncio.create_task(sample_loads())]
             m0 = await metrics()
+            cpu0 = thread_cpu(proc.pid)
             t0 = time.monotonic()
-            prompt_lens: list[int] = []
+            prompt_lens = [len(stream.get(c).prompt_ids) for c in range(64)]  # the run's prompts
             for step in range(a.steps):
                 t_wait = time.monotonic()
                 while (batch := await buf.next_batch(step)) is None:
                     if proc.poll() is not None:
                         raise RuntimeError(f"the rollout server exited; see {tmp / 'rollout_server.log'}")
+                    if a.max_seconds and time.monotonic() - t0 > a.max_seconds:
+                        break
                     await asyncio.sleep(0.02)
+                if batch is None:  # --max_seconds: the rate is over the time used, steps or not
+                    print(f"  [{res['code']}] stopped after {a.max_seconds:.0f} s (--max_seconds) in step {step + 1}",
+                          file=sys.stderr, flush=True)
+                    break
                 wait = time.monotonic() - t_wait
                 tokens = sum(len(s.response_ids) for g in batch.groups for s in g.samples)
-                prompt_lens += [len(g.prompt_ids) for g in batch.groups]
                 await asyncio.sleep(a.train_seconds)
                 await buf.acknowledge(batch, step)
                 await buf.commit(step)
@@ -171,6 +194,7 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
                       f"({tokens} response tokens)", file=sys.stderr, flush=True)
             wall = time.monotonic() - t0
             m1 = await metrics()
+            cpu1 = thread_cpu(proc.pid)
             stop.set()
             for t in helpers:
                 t.cancel()
@@ -188,12 +212,13 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
         redis.kill()
     gen = m1.get("generation_tokens", 0.0) - m0.get("generation_tokens", 0.0)
     res.update({
-        "wall_seconds": wall, "generated_tokens": gen, "tokens_per_second": gen / wall,
+        "wall_seconds": wall, "generated_tokens": gen, "max_seconds": a.max_seconds, "tokens_per_second": gen / wall,
         "prompt_tokens": m1.get("prompt_tokens", 0.0) - m0.get("prompt_tokens", 0.0),
         "mean_running_requests": sum(running) / len(running) if running else 0.0,
         "mean_prompt_tokens": sum(prompt_lens) / max(1, len(prompt_lens)),
         "engine_seconds": {k: v - m0["engine"].get(k, 0.0) for k, v in m1["engine"].items()},
         "worker_seconds": {k: v - m0["worker"].get(k, 0.0) for k, v in m1["worker"].items()},
+        "server_cpu_seconds": {k: v - cpu0[k] for k, v in cpu1.items()},
     })
     return res, model, tok
 
@@ -213,7 +238,7 @@ def one(a: argparse.Namespace) -> dict[str, Any]:
     B = max(1, round(res["mean_running_requests"]))
     prompts = make_prompts(tok, B, max(1, round(res["mean_prompt_tokens"])))
     ceiling(model, prompts[:2], 4)  # warm
-    ceil = max(ceiling(model, prompts, a.gen_tokens) for _ in range(2))
+    ceil = max(ceiling(model, prompts, a.gen_tokens) for _ in range(max(1, a.loop_repeats)))
     res.update({"loop_concurrency": B, "loop_tokens_per_second": ceil, "ratio": res["tokens_per_second"] / ceil,
                 "threads": a.threads, "load_average": os.getloadavg()})
     return res
@@ -227,6 +252,10 @@ def report(r: dict[str, Any]) -> None:
           f"(mean running {r['mean_running_requests']:.1f}): {r['loop_tokens_per_second']:.1f} tok/s; "
           f"ratio {r['ratio']:.2f}; trainer waited {sum(s['wait_seconds'] for s in steps) / max(1, len(steps)):.2f} s "
           f"per step; load average {r['load_average'][0]:.1f}")
+    cpu = r.get("server_cpu_seconds", {})
+    if cpu:
+        print(f"rollout server CPU: event-loop thread {cpu['event_loop_thread']:.1f} s, other threads (engine, OpenMP, "
+              f"executors) {cpu['other_threads']:.1f} s over {r['wall_seconds']:.1f} s of wall time")
     eng = r["engine_seconds"]
     total = sum(eng.values())
     if total > 0:
@@ -247,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="train steps of the simulated trainer")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine and of the plain loop")
     ap.add_argument("--train_seconds", type=float, default=4.0, help="how long the simulated trainer holds each batch")
+    ap.add_argument("--max_seconds", type=float, default=0.0,
+                    help="end the workload after this many seconds even if --steps are not done (0: no limit)")
     ap.add_argument("--gen_tokens", type=int, default=128, help="decode steps of the plain loop")
+    ap.add_argument("--loop_repeats", type=int, default=2, help="runs of the plain loop (the best is kept)")
     ap.add_argument("--compare", default=None, help="git revision to run first, with the same workload (before/after)")
     ap.add_argument("--rounds", type=int, default=1, help="with --compare: alternate the two this many times")
     ap.add_argument("--json", type=Path, default=None)
@@ -256,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code_label", default="working tree", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.config = a.config.resolve()
-    if a.one:
+    if a.one:  # a SIGTERM still stops the server and Redis (the finally blocks run)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         print("RESULT " + json.dumps(one(a)), flush=True)
         return 0
     runs: list[tuple[str, Path]] = [("working tree", ROOT)]
@@ -271,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, code in runs:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--code_root", str(code), "--code_label", label,
                    "--config", str(a.config), "--steps", str(a.steps), "--threads", str(a.threads),
-                   "--train_seconds", str(a.train_seconds), "--gen_tokens", str(a.gen_tokens)]
+                   "--train_seconds", str(a.train_seconds), "--gen_tokens", str(a.gen_tokens),
+                   "--max_seconds", str(a.max_seconds), "--loop_repeats", str(a.loop_repeats)]
             # the revision's packages first; this script's bench helpers (rollout_bench) from this tree
             env = dict(os.environ, PYTHONPATH=f"{code}{os.pathsep}{ROOT}", OMP_NUM_THREADS=str(a.threads))
             print(f"running the workload with the code of {label} ...", flush=True)

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable
 from rollout_server.engine_outputs import EngineOutputs, eos_ids
 from rollout_server.engine_prefill import EnginePrefill
 from rollout_server.engine_profile import EngineProfile
+from rollout_server.prompt_cache import EnginePromptCache, PromptCache
 from rollout_server.engine_sample import EngineGroup, EngineSample, abort_reason
 from rollout_server.engine_lora import EngineLora
 from rollout_server.engine_weights import DEFERRED, EngineWeights
@@ -75,7 +76,7 @@ class _Item:
         return bool(self.samples) and self.samples[0].big
 
 
-class Engine(EngineProfile, EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutputs):
+class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, EngineWeights, EngineLora, EngineOutputs):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
@@ -97,6 +98,11 @@ class Engine(EngineProfile, EnginePrefill, KVCacheSlots, EngineWeights, EngineLo
             small ones never take the rows the oldest waiting big one needs (no starvation).
         max_loaded_loras: most named LoRA adapters registered at once (``/load_lora_adapter``;
             rollout_server/engine_lora.py; SGLang's ``--max-loaded-loras``).
+        prompt_cache_tokens: prompt tokens whose keys/values the prompt cache keeps
+            (rollout_server/prompt_cache.py; 0: no cache).
+
+    Raises:
+        ValueError: ``prompt_cache_tokens`` is negative.
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class Engine(EngineProfile, EnginePrefill, KVCacheSlots, EngineWeights, EngineLo
         on_update: Callable[[list[EngineSample]], None] | None = None,
         reserve_rows: int | None = None,
         max_loaded_loras: int = 8,
+        prompt_cache_tokens: int = 4096,
     ):
         import torch
 
@@ -155,6 +162,7 @@ class Engine(EngineProfile, EnginePrefill, KVCacheSlots, EngineWeights, EngineLo
         self.stats = {
             "prompt_tokens_total": 0,
             "prefill_forward_tokens_total": 0,  # prompt tokens run through a prefill forward (shared prompts once)
+            "prompt_cache_hits_total": 0,  # distinct prompts of a prefill served by the prompt cache
             "generation_tokens_total": 0,
             "num_requests_total": 0,
             "num_aborted_requests_total": 0,
@@ -170,6 +178,7 @@ class Engine(EngineProfile, EnginePrefill, KVCacheSlots, EngineWeights, EngineLo
         self.follower = follower_from_env(threads, torch.set_num_threads)
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._profile_init()  # seconds per component of the engine thread (engine_profile.py)
+        self.prompt_cache = PromptCache(prompt_cache_tokens) if prompt_cache_tokens else None
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -403,6 +412,8 @@ class Engine(EngineProfile, EnginePrefill, KVCacheSlots, EngineWeights, EngineLo
         if any(r is not None for r in self._rows) or self._waiting:
             return False
         self._release_buffers()
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
         return True
 
     # -- abort / retract ----------------------------------------------------------------------

@@ -120,37 +120,13 @@ class EnginePrefill:
                   for it in items]
         unique = list({r: it for r, it in zip(row_of, items)}.values())
         P = len(unique)
-        # built on the host (P small writes), moved to the engine's device once
-        ids = torch.zeros(P, L, dtype=torch.long)
-        pad_mask = torch.zeros(P, L, dtype=torch.bool)
-        pos = torch.zeros(P, L, dtype=torch.long)
-        for i, it in enumerate(unique):
-            n = len(it.ids)
-            ids[i, L - n :] = torch.tensor(it.ids, dtype=torch.long)
-            pad_mask[i, L - n :] = True
-            pos[i, L - n :] = torch.arange(n)
-        ids, pad_mask, pos = ids.to(dev), pad_mask.to(dev), pos.to(dev)
-        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-        mask4 = (causal[None] & pad_mask[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]
         want_prompt_lp = any(s.logprob_start_len >= 0 and s.return_logprob for it in items for s in it.samples)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        out = self._forward_with_adapters(  # the samples of an item share one request, so one adapter
-            [it.samples[0].adapter if it.samples else None for it in unique],
-            input_ids=ids,
-            attention_mask=mask4[:, None],
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if want_prompt_lp else 1,
-        )
-        logits_all = out.logits.float()
+        # the forward pass over the prompts the prompt cache does not hold (rollout_server/prompt_cache.py)
+        cache, logits_all = self._prefill_forward(unique, L, want_prompt_lp)
         if P < len(items):  # one row per item again
             logits_all = logits_all[torch.tensor(row_of, dtype=torch.long, device=dev)]
         last = logits_all[:, -1, :]  # (items, V)
         self.stats["prompt_tokens_total"] += sum(len(it.ids) for it in items)
-        self.stats["prefill_forward_tokens_total"] += sum(len(it.ids) for it in unique)
         updated: list[EngineSample] = []
         # prompt logprobs (only for requests asking logprob_start_len >= 0)
         if want_prompt_lp:

@@ -126,3 +126,54 @@ async def test_metrics_export_the_profile(model_dir):
     assert float(found["decode_forward"]) > 0 and float(found["prefill_forward"]) > 0
     assert set(info["engine_profile_seconds"]) == set(ENGINE_COMPONENTS)
     assert info["engine_profile_seconds"]["decode_forward"] >= float(found["decode_forward"])
+
+
+def test_prompt_cache_serves_a_prompt_prefilled_before(model):
+    """A prompt prefilled in an earlier iteration is not prefilled again (same logprobs as a
+    recomputation); a weight update empties the cache; a cache of 0 tokens is off."""
+    import torch
+
+    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
+    p = [11, 23, 5, 77, 2, 9]
+    norm = model.state_dict()["model.norm.weight"].detach().clone()
+    eng.start()
+    try:
+        first = _sample("a", p, 5)
+        eng.submit([EngineGroup(p, [first])])
+        _wait([first])
+        later = [_sample("b", p, 5), _sample("c", [4, 4, 8], 5)]  # one cached prompt, one new, in one prefill
+        eng.submit([EngineGroup(s.prompt_ids, [s]) for s in later])
+        _wait(later)
+        assert eng.stats["prompt_cache_hits_total"] == 1
+        assert eng.stats["prefill_forward_tokens_total"] == len(p) + 3
+        for s in [first, *later]:
+            ref = recompute_logprobs(model, s.prompt_ids, s.output_ids)
+            assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < 1e-4, s.rid
+        state = {"model.norm.weight": norm * 1.5}
+        eng.call("update_weights", state, "1", False).result(60)
+        assert len(eng.prompt_cache) == 0  # keys/values of the old weights are never served
+        after = _sample("d", p, 3)
+        eng.submit([EngineGroup(p, [after])])
+        _wait([after])
+        assert eng.stats["prompt_cache_hits_total"] == 1 and eng.stats["prefill_forward_tokens_total"] == 2 * len(p) + 3
+    finally:
+        eng.stop()
+        with torch.no_grad():  # the module's model is shared: give the norm its values back
+            model.model.norm.weight.copy_(norm)
+    off = Engine(model, None, context_len=512, max_batch_size=8, threads=1, prompt_cache_tokens=0)
+    assert off.prompt_cache is None
+
+
+def test_prompt_cache_evicts_by_tokens_and_refuses_a_negative_size():
+    from rollout_server.prompt_cache import PromptCache
+
+    pc = PromptCache(10)
+    pc.put((None, (1, 2, 3, 4)), [], "a")
+    pc.put((None, (5, 6, 7, 8)), [], "b")
+    assert pc.get((None, (1, 2, 3, 4)))[1] == "a"  # now the most recently used
+    pc.put((None, (9, 9, 9)), [], "c")  # 11 tokens > 10: the least recently used (5, 6, 7, 8) goes
+    assert pc.get((None, (5, 6, 7, 8))) is None and len(pc) == 2 and pc.tokens == 7
+    pc.put((None, tuple(range(11))), [], "d")  # longer than the whole cache: not kept
+    assert len(pc) == 2
+    with pytest.raises(ValueError, match=">= 0 tokens"):
+        PromptCache(-1)
