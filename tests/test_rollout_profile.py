@@ -177,3 +177,18 @@ def test_prompt_cache_evicts_by_tokens_and_refuses_a_negative_size():
     assert len(pc) == 2
     with pytest.raises(ValueError, match=">= 0 tokens"):
         PromptCache(-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_weight_finiteness_check_finds_every_nan_and_infinity(dtype):
+    """The one-pass check of a weight update (engine_weights._all_finite) agrees with isfinite."""
+    import torch
+
+    from rollout_server.engine_weights import _all_finite
+
+    x = torch.randn(1000).to(getattr(torch, dtype))
+    assert _all_finite(torch, x) and _all_finite(torch, torch.empty(0, 4, dtype=x.dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[617] = bad
+        assert not _all_finite(torch, y), bad
