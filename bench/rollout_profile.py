@@ -33,7 +33,7 @@ On a loaded machine alternate them (``--rounds 2``) and compare ratios, not abso
 
 Run: ``python bench/rollout_profile.py [--config configs/smollm2_arith.yaml] [--steps 6]
 [--threads 2] [--train_seconds 4] [--max_seconds 0] [--gen_tokens 128] [--compare main] [--rounds 1]
-[--json out.json]``.
+[--json out.json]``; ``--weight_loads 4`` times 4 full weight loads on an idle server instead.
 """
 
 from __future__ import annotations
@@ -244,6 +244,46 @@ def one(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def weight_loads(a: argparse.Namespace) -> list[dict[str, float]]:
+    """``--weight_loads N``: time N full weight loads on an idle embedded server (the worker's
+    ``pause(in_place)`` + ``/update_weights_from_disk`` + ``continue`` of a full fp32 version
+    directory written by ``write_weights``), with the engine's ``weights`` seconds of each."""
+    from asyncrl.core.config import load_config
+    from asyncrl.core.weights import write_weights
+    from asyncrl.models import load_causal_lm, resolve_model_path
+    from rollout_server.client import EngineClient
+    from rollout_server.testing import start_embedded_server
+
+    cfg = load_config(["--config", str(a.config)])
+    path = resolve_model_path(cfg.model.path)
+    model = load_causal_lm(path, cfg.model.dtype)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tmp = Path(tempfile.mkdtemp(prefix="asyncrl-weight-loads-"))
+    dirs = [write_weights(tmp, v, sd, model.config.to_dict())[0] for v in range(1, a.weight_loads + 1)]
+    srv = start_embedded_server(path, threads=a.threads)
+
+    async def run() -> list[dict[str, float]]:
+        rows = []
+        async with EngineClient(srv.url) as c:
+            for v, d in enumerate(dirs, 1):
+                before = (await c._call("GET", "/get_server_info")).get("engine_profile_seconds", {}).get("weights", 0.0)
+                t0 = time.perf_counter()
+                await c.pause("in_place")
+                await c.update_weights_from_disk(str(d), weight_version=str(v))
+                await c.resume()
+                total = time.perf_counter() - t0
+                after = (await c._call("GET", "/get_server_info")).get("engine_profile_seconds", {}).get("weights", 0.0)
+                rows.append({"seconds": total, "engine_weights_seconds": after - before})
+                print(f"load {v}: {total:.3f} s pause to continue, {after - before:.3f} s of it in the engine", flush=True)
+        return rows
+
+    try:
+        return asyncio.run(run())
+    finally:
+        srv.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def report(r: dict[str, Any]) -> None:
     """Print one run's numbers and component table."""
     steps = r["steps"]
@@ -282,12 +322,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop_repeats", type=int, default=2, help="runs of the plain loop (the best is kept)")
     ap.add_argument("--compare", default=None, help="git revision to run first, with the same workload (before/after)")
     ap.add_argument("--rounds", type=int, default=1, help="with --compare: alternate the two this many times")
+    ap.add_argument("--weight_loads", type=int, default=0,
+                    help="instead of the workload: time this many full weight loads on an idle server")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one run, JSON on stdout's last line
     ap.add_argument("--code_root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     ap.add_argument("--code_label", default="working tree", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.config = a.config.resolve()
+    if a.weight_loads:
+        rows = weight_loads(a)
+        if a.json:
+            a.json.write_text(json.dumps({"threads": a.threads, "loads": rows}, indent=2))
+        return 0
     if a.one:  # a SIGTERM still stops the server and Redis (the finally blocks run)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         print("RESULT " + json.dumps(one(a)), flush=True)
