@@ -106,6 +106,14 @@ class EnginePromptCache:
         if not n_hits:
             return cache, logits
         dev = self.device
+        if not fresh and all(h[0][0][0].shape[1] == L for h in hits):  # all cached, same length: no assembly
+            def stack(ts: list) -> Any:  # one prompt (the usual case): a view, no copy
+                return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+
+            return (SimpleNamespace(layers=[SimpleNamespace(keys=stack([h[0][layer][0] for h in hits]),
+                                                            values=stack([h[0][layer][1] for h in hits]))
+                                            for layer in range(len(hits[0][0]))]),
+                    stack([h[1] for h in hits])[:, None, :])
         first_kv, first_logits = next(h for h in hits if h is not None)
         out_layers = []
         fresh_idx = torch.tensor(fresh, dtype=torch.long, device=dev)

@@ -146,6 +146,11 @@ def test_prompt_cache_serves_a_prompt_prefilled_before(model):
         _wait(later)
         assert eng.stats["prompt_cache_hits_total"] == 1
         assert eng.stats["prefill_forward_tokens_total"] == len(p) + 3
+        alone = [_sample("e", p, 5)]  # a prefill served by the cache alone
+        eng.submit([EngineGroup(p, alone)])
+        _wait(alone)
+        assert eng.stats["prompt_cache_hits_total"] == 2 and eng.stats["prefill_forward_tokens_total"] == len(p) + 3
+        later += alone
         for s in [first, *later]:
             ref = recompute_logprobs(model, s.prompt_ids, s.output_ids)
             assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < 1e-4, s.rid
@@ -155,7 +160,7 @@ def test_prompt_cache_serves_a_prompt_prefilled_before(model):
         after = _sample("d", p, 3)
         eng.submit([EngineGroup(p, [after])])
         _wait([after])
-        assert eng.stats["prompt_cache_hits_total"] == 1 and eng.stats["prefill_forward_tokens_total"] == 2 * len(p) + 3
+        assert eng.stats["prompt_cache_hits_total"] == 2 and eng.stats["prefill_forward_tokens_total"] == 2 * len(p) + 3
     finally:
         eng.stop()
         with torch.no_grad():  # the module's model is shared: give the norm its values back
