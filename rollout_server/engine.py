@@ -34,7 +34,8 @@ server moves the model with ``--device`` (``cpu`` by default; ``cuda`` on a GPU 
 Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request with finish reason
 abort (partial output kept), ``retract`` drops the running rows' KV and re-queues them (they
 are re-prefilled from prompt + output on continue), ``in_place`` just stops stepping (KV kept).
-Simplifications (no radix cache across requests, no chunked prefill, no tensor parallelism):
+Simplifications (no radix cache: the prompt cache, rollout_server/prompt_cache.py, matches whole
+prompts only; no chunked prefill, no tensor parallelism):
 docs/rollout.md.
 """
 
