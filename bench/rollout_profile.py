@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tree is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+            shutil.rmtree(tree.parent, ignore_errors=True)
     for r in results:
         report(r)
     if a.compare:
