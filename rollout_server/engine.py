@@ -34,7 +34,8 @@ server moves the model with ``--device`` (``cpu`` by default; ``cuda`` on a GPU 
 Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request with finish reason
 abort (partial output kept), ``retract`` drops the running rows' KV and re-queues them (they
 are re-prefilled from prompt + output on continue), ``in_place`` just stops stepping (KV kept).
-Simplifications (no radix cache across requests, no chunked prefill, no tensor parallelism):
+Simplifications (no radix cache: the prompt cache, rollout_server/prompt_cache.py, matches whole
+prompts only; no chunked prefill, no tensor parallelism):
 docs/rollout.md.
 """
 
@@ -52,6 +53,8 @@ from typing import Any, Callable, Iterable
 from rollout_server.engine_fair import EngineFair
 from rollout_server.engine_outputs import EngineOutputs, eos_ids
 from rollout_server.engine_prefill import EnginePrefill
+from rollout_server.engine_profile import EngineProfile
+from rollout_server.prompt_cache import EnginePromptCache, PromptCache
 from rollout_server.engine_sample import EngineGroup, EngineSample, abort_reason
 from rollout_server.engine_lora import EngineLora
 from rollout_server.engine_weights import DEFERRED, EngineWeights
@@ -75,7 +78,8 @@ class _Item:
         return bool(self.samples) and self.samples[0].big
 
 
-class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutputs, EngineFair):
+class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, EngineWeights, EngineLora, EngineOutputs,
+             EngineFair):
     """Continuous-batching generation over a transformers causal LM (see the module docstring).
 
     Args:
@@ -103,6 +107,11 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
             (None: :data:`rollout_server.engine_fair.STEP_OVERHEAD_ROWS`, ``TOP_LOGPROB_WEIGHT``).
         max_loaded_loras: most named LoRA adapters registered at once (``/load_lora_adapter``;
             rollout_server/engine_lora.py; SGLang's ``--max-loaded-loras``).
+        prompt_cache_tokens: prompt tokens whose keys/values the prompt cache keeps
+            (rollout_server/prompt_cache.py; 0: no cache).
+
+    Raises:
+        ValueError: ``prompt_cache_tokens`` is negative.
     """
 
     def __init__(
@@ -122,6 +131,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
         fair_slowdown: float | None = None,
         fair_step_overhead_rows: float | None = None,
         fair_logprob_weight: float | None = None,
+        prompt_cache_tokens: int = 4096,
     ):
         import torch
 
@@ -163,6 +173,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
         # statistics (read by metrics; plain ints are updated atomically under the GIL)
         self.stats = {
             "prompt_tokens_total": 0,
+            "prefill_forward_tokens_total": 0,  # prompt tokens run through a prefill forward (shared prompts once)
+            "prompt_cache_hits_total": 0,  # distinct prompts of a prefill served by the prompt cache
             "generation_tokens_total": 0,
             "num_requests_total": 0,
             "num_aborted_requests_total": 0,
@@ -178,6 +190,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
 
         self.follower = follower_from_env(threads, torch.set_num_threads)
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self._profile_init()  # seconds per component of the engine thread (engine_profile.py)
+        self.prompt_cache = PromptCache(prompt_cache_tokens) if prompt_cache_tokens else None
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -270,15 +284,17 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
         torch = self.torch
         if self.threads:
             torch.set_num_threads(int(self.threads))
+        self._profile_start()
         with torch.inference_mode():
             while not self._stop.is_set():
+                self._profile_add("other")  # the loop's own overhead, an error's handling
                 busy = self._can_step() or self._can_admit()
                 try:
                     self._drain_inbox(block=not busy)
                     if not busy and self._waiting and not any(r is not None for r in self._rows):
                         # the engine was idle: give requests sent together a moment to arrive together,
                         # so they share one prefill instead of the first one being prefilled alone
-                        time.sleep(self.admission_wait_seconds)
+                        self._wait(self.admission_wait_seconds)
                         self._drain_inbox(block=False)
                     self._apply_pending_updates()
                     if self.follower is not None:  # between steps: an OpenMP team is never resized mid-operation
@@ -286,10 +302,16 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
                         self.stats["follow_switches_total"] = self.follower.switches
                     updated: list[EngineSample] = []
                     if self._paused is None:
+                        self._profile_add("other")
+                        self._phase = "prefill"
                         updated += self._admit()
+                        self._profile_add("prefill_other")
                         if any(r is not None for r in self._rows):
+                            self._phase = "decode"
                             updated += self._decode_step()
+                            self._profile_add("decode_other")
                     self._publish(updated)
+                    self._profile_add("publish")
                 except Exception as exc:  # a broken step fails its requests, never the server
                     log.exception("engine step failed")
                     self.error = exc
@@ -313,7 +335,7 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
         first = True
         while True:
             try:
-                msg = self._inbox.get(timeout=0.5) if (block and first) else self._inbox.get_nowait()
+                msg = self._wait(0.5, self._inbox.get) if (block and first) else self._inbox.get_nowait()
             except queue.Empty:
                 return
             first = False
@@ -351,6 +373,16 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
                 else:
                     if result is not DEFERRED:
                         fut.set_result(result)
+
+    def _wait(self, seconds: float, get: Callable[..., Any] | None = None) -> Any:
+        """Block up to ``seconds`` (on ``get(timeout=...)``, or sleeping), charged to ``idle``/``paused``."""
+        t0 = time.perf_counter()
+        try:
+            return get(timeout=seconds) if get is not None else time.sleep(seconds)
+        finally:
+            dt = time.perf_counter() - t0
+            self.profile["paused" if self._paused is not None else "idle"] += dt
+            self._inner += dt
 
     def _publish(self, samples: list[EngineSample]) -> None:
         if self._finished_unpublished:
@@ -394,6 +426,8 @@ class Engine(EnginePrefill, KVCacheSlots, EngineWeights, EngineLora, EngineOutpu
         if any(r is not None for r in self._rows) or self._waiting:
             return False
         self._release_buffers()
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
         return True
 
     # -- abort / retract ----------------------------------------------------------------------

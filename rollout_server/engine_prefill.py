@@ -96,11 +96,11 @@ class EnginePrefill:
             item = items[0]
             return self._fail_requests([s for s in item.samples if not s.finished], exc,
                                        f"the prefill of its {len(item.ids)} prompt tokens")
-        updated, cache, L, placements, samples, tokens, lps, tops = done
+        updated, cache, L, placements, samples, tokens, lps, tops, row_of = done
         if not samples:
             return updated
-        # place KV right-aligned into free slots
-        slots = self._place_rows(cache, [(len(items[i].ids), i, go) for i, go in placements], L, tokens)
+        # place KV right-aligned into free slots (item i's keys/values are row row_of[i] of the prefill)
+        slots = self._place_rows(cache, [(len(items[i].ids), row_of[i], go) for i, go in placements], L, tokens)
         updated += self._append_tokens(samples, tokens, lps, tops, slots)
         return updated
 
@@ -109,36 +109,23 @@ class EnginePrefill:
         logprobs, the first token of each sample. Per-sample failures (non-finite logits, a seed
         the generator refuses, an error in sampling) end those samples alone."""
         torch = self.torch
-        P = len(items)
         L = max(len(it.ids) for it in items)
         dev = self.device
-        # built on the host (P small writes), moved to the engine's device once
-        ids = torch.zeros(P, L, dtype=torch.long)
-        pad_mask = torch.zeros(P, L, dtype=torch.bool)
-        pos = torch.zeros(P, L, dtype=torch.long)
-        for i, it in enumerate(items):
-            n = len(it.ids)
-            ids[i, L - n :] = torch.tensor(it.ids, dtype=torch.long)
-            pad_mask[i, L - n :] = True
-            pos[i, L - n :] = torch.arange(n)
-        ids, pad_mask, pos = ids.to(dev), pad_mask.to(dev), pos.to(dev)
-        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-        mask4 = (causal[None] & pad_mask[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]
+        # Items with the same token ids (and adapter) share one row of the forward pass: the
+        # rollout worker sends each of a prompt's n samples as its own request, so a prefill
+        # batch often holds the same prompt n times. Everything after the forward pass still
+        # sees one row per item (same order, same values), so sampling is unchanged.
+        rows: dict[tuple, int] = {}
+        row_of = [rows.setdefault((tuple(it.ids), id(it.samples[0].adapter) if it.samples else None), len(rows))
+                  for it in items]
+        unique = list({r: it for r, it in zip(row_of, items)}.values())
+        P = len(unique)
         want_prompt_lp = any(s.logprob_start_len >= 0 and s.return_logprob for it in items for s in it.samples)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        out = self._forward_with_adapters(  # the samples of an item share one request, so one adapter
-            [it.samples[0].adapter if it.samples else None for it in items],
-            input_ids=ids,
-            attention_mask=mask4[:, None],
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if want_prompt_lp else 1,
-        )
-        logits_all = out.logits.float()
-        last = logits_all[:, -1, :]  # (P, V)
+        # the forward pass over the prompts the prompt cache does not hold (rollout_server/prompt_cache.py)
+        cache, logits_all = self._prefill_forward(unique, L, want_prompt_lp)
+        if P < len(items):  # one row per item again
+            logits_all = logits_all[torch.tensor(row_of, dtype=torch.long, device=dev)]
+        last = logits_all[:, -1, :]  # (items, V)
         self.stats["prompt_tokens_total"] += sum(len(it.ids) for it in items)
         updated: list[EngineSample] = []
         # prompt logprobs (only for requests asking logprob_start_len >= 0)
@@ -180,7 +167,7 @@ class EnginePrefill:
             placements = [(i, [s for s in go if id(s) not in seed_failed]) for i, go in placements]
             placements = [(i, go) for i, go in placements if go]
         if not placements:
-            return updated, cache, L, [], [], [], [], []
+            return updated, cache, L, [], [], [], [], [], row_of
         # sample the first new token of every placed sample from its item's last logits
         row_items = [i for i, go in placements for _ in go]
         samples = [s for _, go in placements for s in go]
@@ -196,4 +183,4 @@ class EnginePrefill:
             placements = [(i, [s for s in go if id(s) not in gone]) for i, go in placements]
             placements = [(i, go) for i, go in placements if go]
             samples = [s for _, go in placements for s in go]
-        return updated, cache, L, placements, samples, tokens, lps, tops
+        return updated, cache, L, placements, samples, tokens, lps, tops, row_of

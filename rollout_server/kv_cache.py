@@ -110,27 +110,34 @@ class KVCacheSlots:
         new_len = max(self._length, max(n for n, _, _ in placements))
         n_new = sum(len(go) for _, _, go in placements)
         slots = self._claim_slots(n_new, new_len + 1)
+        Lc = self._length  # every row ends here now; each prompt length n <= Lc and n <= L
+        lens = [n for n, _, go in placements for _ in go]
+        dev = self.device
+        idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        src = torch.tensor([i for _, i, go in placements for _ in go], dtype=torch.long, device=dev)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        # all new rows at once, per layer: the last w columns of their prefill rows go to the last
+        # w columns of their slots, the prompt's own n of them kept and the rest zeroed; the
+        # padding columns of a reused or fresh slot hold a previous row's keys or uninitialised
+        # memory, and masked or not, a non-finite value there turns the row's attention output
+        # into NaN (score NaN + mask = NaN, 0 * NaN = NaN), so they are cleared too
+        w = min(L, Lc)
+        keep = torch.arange(w, device=dev)[None, :] >= (w - lens_t)[:, None]  # (rows, w): a prompt column
+        keep4 = keep[:, None, :, None]
+        for layer in range(self.num_layers):
+            for dst, new in ((self._K[layer], kv[layer][0]), (self._V[layer], kv[layer][1])):
+                dst[idx, :, Lc - w : Lc] = torch.where(keep4, new[src, :, L - w :], 0.0)
+                if Lc > w:
+                    dst[idx, :, : Lc - w] = 0
+        self._mask[idx] = False
+        self._mask[idx, Lc - w : Lc] = keep
+        self._pos[idx] = lens_t
         k = 0
-        for n, i, go in placements:
-            idx = torch.tensor(slots[k : k + len(go)], dtype=torch.long, device=self.device)
-            for layer in range(self.num_layers):
-                src_k = kv[layer][0][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
-                src_v = kv[layer][1][i : i + 1, :, L - n :].expand(len(go), -1, -1, -1)
-                self._K[layer][idx, :, self._length - n : self._length] = src_k
-                self._V[layer][idx, :, self._length - n : self._length] = src_v
-                # the padding columns of a reused or fresh slot hold a previous row's keys or
-                # uninitialised memory; masked or not, a non-finite value there turns the row's
-                # attention output into NaN (score NaN + mask = NaN, 0 * NaN = NaN), so clear them
-                self._K[layer][idx, :, : self._length - n] = 0
-                self._V[layer][idx, :, : self._length - n] = 0
-            self._mask[idx] = False
-            self._mask[idx, self._length - n : self._length] = True
-            self._pos[idx] = n
+        for n, _, go in placements:
             for j, s in enumerate(go):
-                self._rows[slots[k + j]] = _Row(s, self._length - n)
+                self._rows[slots[k + j]] = _Row(s, Lc - n)
             k += len(go)
-        idx_all = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self._next[idx_all] = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self._next[idx] = torch.tensor(tokens, dtype=torch.long, device=dev)
         return slots
 
     def _claim_slots(self, n: int, need_cols: int) -> list[int]:

@@ -452,6 +452,7 @@ class RolloutHTTPServer(WeightEndpoints):
             "skip_tokenizer_init": self._tokenizer is None, "enable_metrics": True, "random_seed": o.random_seed,
             "api_key_required": bool(o.api_key), "engine": "asyncrl-torch", "engine_threads": o.engine_threads,
             "internal_states": [{"paused": load["paused"], "num_running_reqs": load["num_running_reqs"]}],
+            "engine_profile_seconds": e.profile_snapshot(),  # engine_profile.py: the engine thread by component
             "version": VERSION,
         })
 
@@ -514,6 +515,8 @@ class RolloutHTTPServer(WeightEndpoints):
         :func:`asyncrl.metrics.exposition`), leaving the dashboard's engine panels empty."""
         from asyncrl.metrics import exposition
 
+        if self.rollout_metrics is not None:  # the engine thread's seconds by component, up to now
+            self.rollout_metrics.engine_profile(self.engine.profile_snapshot())
         body, content_type = exposition(self.registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 

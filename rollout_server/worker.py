@@ -242,7 +242,9 @@ class RolloutWorker(WorkerWeightSync):
                     await _wait_any(self._slot_free.wait(), stop_wait, timeout=1.0)
                     continue
                 try:
+                    t_claim = _now()
                     items = await self.buffer.claim(self.opts.worker_id, free)
+                    self._spent("claim", t_claim)
                 except (RedisConnectionError, RedisTimeoutError) as exc:
                     self._note_outage(f"claim failed ({exc}); retrying every second")
                     await _wait_any(asyncio.sleep(1.0), stop_wait, timeout=1.0)
@@ -410,7 +412,9 @@ class RolloutWorker(WorkerWeightSync):
                         engine_finish = d.finish_reason.get("type")
                         break
                     if len(ids) >= flush:
+                        t_write = _now()
                         await self.buffer.append(item, ids, lps, vers)
+                        self._spent("buffer_write", t_write)
                         response += ids
                         self._count_tokens(len(ids))
                         ids, lps, vers = [], [], []
@@ -487,10 +491,13 @@ class RolloutWorker(WorkerWeightSync):
 
     async def _end(self, item: WorkItem, reason: str, ids: list[int], lps: list[float],
                    vers: list[int]) -> SampleStatus | None:
+        t_write = _now()
         try:
             return await self.buffer.end_segment(item, reason, ids, lps, vers)
         except VersionAhead:
             return await self._version_ahead(item)
+        finally:
+            self._spent("buffer_write", t_write)
 
     async def _version_ahead(self, item: WorkItem) -> None:
         """The engine produced tokens of a version newer than the clock: park the item without them, reload."""
@@ -508,6 +515,13 @@ class RolloutWorker(WorkerWeightSync):
     def _count_tokens(self, n: int) -> None:
         self.stats.generated_tokens += n
 
+    def _spent(self, component: str, since: float) -> float:
+        """Add the time since ``since`` (monotonic) to ``component``'s worker seconds; returns now."""
+        now = _now()
+        if self.metrics is not None:
+            self.metrics.worker_time(component, max(0.0, now - since))
+        return now
+
     def _record_request(self, reason: str, seconds: float, generated: int, prompt_tokens: int) -> None:
         if self.metrics is not None:
             self.metrics.request_finished(reason, max(0.0, seconds), max(0, generated), prompt_tokens)
@@ -515,10 +529,12 @@ class RolloutWorker(WorkerWeightSync):
     # ------------------------------------------------------------------ scoring
     async def _score(self, item: WorkItem, response_ids: list[int]) -> None:
         """Run the reward function (in a thread: it may be slow) and record reward or error."""
+        t_score = _now()
         prompt = self.tokenizer.decode(item.prompt_ids, skip_special_tokens=False)
         response = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(None, self.scorer.score, prompt, response, dict(item.metadata))
+        t_write = self._spent("scoring", t_score)
         if result.failed:
             self.stats.reward_errors += 1
             await self.buffer.score(item, error=result.error)
@@ -529,6 +545,7 @@ class RolloutWorker(WorkerWeightSync):
             if self.metrics is not None:
                 good = result.correct == 1.0 if result.correct is not None else result.reward > 0
                 self.metrics.scored(result.reward, "correct" if good else "incorrect")
+        self._spent("buffer_write", t_write)
         self.stats.scored += 1
         self._first_claim.pop(item.sample_id, None)
 

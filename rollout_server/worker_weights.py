@@ -203,6 +203,7 @@ class WorkerWeightSync:
                     from asyncrl.core.weights import is_adapter_dir
 
                     path = await self._weights_path(ann)  # fetch before pausing: the pause stays short
+                    t_load = self._spent("weight_fetch", t0)
                     if self.opts.lora_mode == "by_name" and is_adapter_dir(path):
                         name = await self._load_adapter_by_name(path, ann)
                     else:
@@ -213,6 +214,7 @@ class WorkerWeightSync:
                             await self.client.resume()
                         self._check_adapter_landed(path, ann, res)
                         name = None
+                    self._spent("weight_load", t_load)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

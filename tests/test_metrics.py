@@ -38,6 +38,8 @@ def drive_role(role: str):
         m.scored(1.0, "correct")
         m.inflight_requests.set(4)
         m.weights_loaded(3, "disk", duration_seconds=1.5, lag_seconds=2.0)
+        m.engine_profile({"decode_forward": 2.5, "idle": 1.0})
+        m.worker_time("scoring", 0.25)
         m.idle.set_idle(False)
     elif role == "buffer":
         m.set_state(samples={"queued": 8, "generating": 4, "partial": 2}, groups={"in_flight": 3, "ready": 1})
@@ -198,6 +200,12 @@ def test_labels_are_closed_sets():
         m.request_finished("stop", -1.0, 1)
     with pytest.raises(ValueError, match="sample finish_reason"):
         m.sample_completed("abort", 1.0, 3)
+    with pytest.raises(ValueError, match="engine component"):
+        m.engine_profile({"decode_forward": 1.0, "gpu_time": 1.0})
+    with pytest.raises(ValueError, match="worker component"):
+        m.worker_time("sleeping", 1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        m.worker_time("claim", -1.0)
     with pytest.raises(ValueError, match="generated_tokens must be >= 0"):
         m.request_finished("stop", 1.0, -5)
     text = M.exposition(reg)[0].decode()  # nothing half-applied: the pre-created series stay at 0

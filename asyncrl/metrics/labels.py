@@ -52,6 +52,14 @@ SCORE_OUTCOMES: tuple[str, ...] = ("correct", "incorrect", "error")
 TRAINER_PHASES: tuple[str, ...] = ("wait_batch", "forward_backward", "optim_step", "publish_weights")
 #: Weight transports (docs/architecture.md#weight-sync).
 WEIGHT_TRANSPORTS: tuple[str, ...] = ("disk", "http", "nccl")
+#: Components of the embedded engine's thread (``asyncrl_rollout_engine_seconds_total{component}``;
+#: rollout_server/engine_profile.py says what each one covers; they add up to the thread's lifetime).
+ENGINE_COMPONENTS: tuple[str, ...] = ("prefill_forward", "prefill_other", "decode_forward", "decode_other", "sampling",
+                                      "weights", "publish", "idle", "paused", "other")
+#: What the rollout worker waits on (``asyncrl_rollout_worker_seconds_total{component}``): claiming
+#: work, buffer writes (appends, segment ends, scores), the reward function, fetching a
+#: version's weights, and the engine's pause + load + continue of a weight update.
+WORKER_COMPONENTS: tuple[str, ...] = ("claim", "buffer_write", "scoring", "weight_fetch", "weight_load")
 #: Result of an operation that can fail.
 RESULTS: tuple[str, ...] = ("ok", "error")
 #: Why an episode of a multi-turn workflow ended (asyncrl.agents.TERMINATIONS).

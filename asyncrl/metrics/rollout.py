@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from asyncrl.metrics.idle import IdleTracker
 from asyncrl.metrics.labels import (
+    ENGINE_COMPONENTS,
     FINISH_REASONS,
     PARK_REASONS,
     REQUEST_DURATION_BUCKETS_SECONDS,
@@ -15,6 +16,7 @@ from asyncrl.metrics.labels import (
     RESULTS,
     REWARD_BUCKETS,
     TERMINATIONS,
+    WORKER_COMPONENTS,
     ROLLOUT_DURATION_BUCKETS_SECONDS,
     SCORE_OUTCOMES,
     WEIGHT_SYNC_BUCKETS_SECONDS,
@@ -129,6 +131,17 @@ class RolloutMetrics:
         self.episode_restarts = Counter(
             "asyncrl_rollout_episode_restarts", "Episodes restarted from their prompt, by reason.", ["reason"], registry=r,
         )
+        self.engine_seconds = Counter(
+            "asyncrl_rollout_engine_seconds",
+            "Seconds of the embedded engine's thread by component (they add up to its lifetime; docs/rollout.md).",
+            ["component"], registry=r,
+        )
+        self.worker_seconds = Counter(
+            "asyncrl_rollout_worker_seconds",
+            "Seconds the rollout worker's tasks waited on each kind of call, summed over concurrent tasks.",
+            ["component"], registry=r,
+        )
+        self._engine_seen: dict[str, float] = {}
         self.idle = IdleTracker(r, "rollout", "rollout worker: no engine request in flight")
         _zero(self.episodes, TERMINATIONS)
         _zero(self.episode_restarts, EPISODE_RESTART_REASONS)
@@ -136,6 +149,8 @@ class RolloutMetrics:
         _zero(self.partial_parked, PARK_REASONS)
         _zero(self.samples_scored, SCORE_OUTCOMES)
         _zero(self.weight_updates, RESULTS)
+        _zero(self.engine_seconds, ENGINE_COMPONENTS)
+        _zero(self.worker_seconds, WORKER_COMPONENTS)
 
     def request_finished(self, finish_reason: str, duration_seconds: float, generated_tokens: int, prompt_tokens: int = 0) -> None:
         """Record one finished engine request (segment).
@@ -206,3 +221,31 @@ class RolloutMetrics:
     def episode_restarted(self, reason: str) -> None:
         """Record an episode restarted from its prompt for ``reason`` (:data:`EPISODE_RESTART_REASONS`)."""
         self.episode_restarts.labels(_check(reason, EPISODE_RESTART_REASONS, "restart reason")).inc()
+
+    def engine_profile(self, seconds: dict[str, float]) -> None:
+        """Bring ``asyncrl_rollout_engine_seconds_total`` up to the engine's running totals.
+
+        Args:
+            seconds: seconds per component since the engine started (``Engine.profile_snapshot()``);
+                keys must be :data:`ENGINE_COMPONENTS`.
+
+        Raises:
+            ValueError: an unknown component.
+        """
+        for component in seconds:  # all checked before any is applied
+            _check(component, ENGINE_COMPONENTS, "engine component")
+        for component, total in seconds.items():
+            delta = float(total) - self._engine_seen.get(component, 0.0)
+            if delta > 0:
+                self.engine_seconds.labels(component).inc(delta)
+                self._engine_seen[component] = float(total)
+
+    def worker_time(self, component: str, seconds: float) -> None:
+        """Add ``seconds`` the worker spent waiting on ``component`` (:data:`WORKER_COMPONENTS`).
+
+        Raises:
+            ValueError: an unknown component or negative seconds.
+        """
+        _check(component, WORKER_COMPONENTS, "worker component")
+        _check_nonneg(seconds, "seconds")
+        self.worker_seconds.labels(component).inc(seconds)

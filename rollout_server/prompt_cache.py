@@ -1,0 +1,172 @@
+"""The embedded engine's prompt cache: the keys/values and last logits of recently prefilled prompts.
+
+One job: not prefill the same prompt twice under the same weights. The rollout worker sends
+each of a group's ``n`` samples as its own request and claims them as slots free up, so the
+``n`` requests of a prompt reach the engine over several iterations, not in one prefill batch
+(where :mod:`rollout_server.engine_prefill` already shares one forward row). A prefilled prompt's
+per-layer keys/values ``(kv_heads, n, head_dim)`` and its last logits ``(V,)`` are kept, keyed by
+its token ids and the request's LoRA adapter, least recently used first out, up to
+``max_tokens`` prompt tokens in all; every applied weight update and ``/flush_cache`` empties it
+(SGLang's radix cache, reduced to whole prompts: docs/rollout.md, "Rollout profile").
+
+:class:`EnginePromptCache` is a mixin of :class:`rollout_server.engine.Engine`: its
+``_prefill_forward`` runs the prefill's forward pass over the prompts not in the cache and
+assembles the rest from it. A batch that asks for prompt logprobs bypasses the cache (they need
+every position's logits).
+"""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+from typing import Any
+
+__all__ = ["EnginePromptCache", "PromptCache"]
+
+
+class PromptCache:
+    """LRU map from ``(adapter, token ids)`` to ``(per-layer (keys, values), last logits)``.
+
+    Args:
+        max_tokens: most prompt tokens held in all (0: the cache holds nothing).
+
+    Raises:
+        ValueError: ``max_tokens`` is negative.
+    """
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 0:
+            raise ValueError(f"prompt cache size must be >= 0 tokens, got {max_tokens}")
+        self.max_tokens = int(max_tokens)
+        self.tokens = 0
+        self._entries: collections.OrderedDict[tuple, tuple[list, Any]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple) -> tuple[list, Any] | None:
+        """The entry of ``key`` (now the most recently used), or None."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, kv: list, logits: Any) -> None:
+        """Keep ``key``'s keys/values and last logits, evicting the least recently used beyond ``max_tokens``."""
+        n = len(key[1])
+        if n > self.max_tokens or key in self._entries:
+            return
+        self._entries[key] = (kv, logits)
+        self.tokens += n
+        while self.tokens > self.max_tokens:
+            old, _ = self._entries.popitem(last=False)
+            self.tokens -= len(old[1])
+
+    def clear(self) -> None:
+        """Forget every entry (the weights changed, or ``/flush_cache``)."""
+        self._entries.clear()
+        self.tokens = 0
+
+
+class EnginePromptCache:
+    """The prefill's forward pass with the prompt cache (mixin of :class:`rollout_server.engine.Engine`).
+
+    Expects ``torch``, ``model``, ``device``, ``stats``, ``prompt_cache`` (a :class:`PromptCache` or
+    None) and ``_forward_with_adapters`` on the engine.
+    """
+
+    def _prefill_forward(self, unique: list[Any], L: int, want_prompt_lp: bool) -> tuple[Any, Any]:
+        """Keys/values and logits of the distinct prompts ``unique`` (one admission item each).
+
+        Returns:
+            ``(cache, logits)``: ``cache.layers[l].keys`` / ``.values`` ``(U, kv_heads, L, head_dim)``
+            with each prompt right-aligned (left padding), and ``logits`` ``(U, L, V)`` when
+            ``want_prompt_lp`` else ``(U, 1, V)``, fp32.
+        """
+        torch = self.torch
+        pc = self.prompt_cache if not want_prompt_lp else None
+        keys = [(it.samples[0].adapter if it.samples else None, tuple(it.ids)) for it in unique]
+        hits = [pc.get(k) if pc is not None else None for k in keys]
+        fresh = [i for i, h in enumerate(hits) if h is None]
+        cache = logits = None
+        if fresh:
+            cache, logits = self._forward_prompts([unique[i] for i in fresh], want_prompt_lp)
+            Lf = max(len(unique[i].ids) for i in fresh)
+            self.stats["prefill_forward_tokens_total"] += sum(len(unique[i].ids) for i in fresh)
+            if pc is not None:
+                for r, i in enumerate(fresh):
+                    n = len(unique[i].ids)
+                    last = logits[r, -1]
+                    if bool(torch.isfinite(last).all()):  # a failing prompt is never served from the cache
+                        kv = [(layer.keys[r, :, Lf - n :].clone(), layer.values[r, :, Lf - n :].clone())
+                              for layer in cache.layers]
+                        pc.put(keys[i], kv, last.clone())
+        n_hits = len(unique) - len(fresh)
+        self.stats["prompt_cache_hits_total"] += n_hits
+        if not n_hits:
+            return cache, logits
+        dev = self.device
+        if not fresh and all(h[0][0][0].shape[1] == L for h in hits):  # all cached, same length: no assembly
+            def stack(ts: list) -> Any:  # one prompt (the usual case): a view, no copy
+                return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+
+            return (SimpleNamespace(layers=[SimpleNamespace(keys=stack([h[0][layer][0] for h in hits]),
+                                                            values=stack([h[0][layer][1] for h in hits]))
+                                            for layer in range(len(hits[0][0]))]),
+                    stack([h[1] for h in hits])[:, None, :])
+        first_kv, first_logits = next(h for h in hits if h is not None)
+        out_layers = []
+        fresh_idx = torch.tensor(fresh, dtype=torch.long, device=dev)
+        for layer in range(len(first_kv)):
+            k0 = first_kv[layer][0]
+            k = torch.zeros((len(unique), k0.shape[0], L, k0.shape[2]), dtype=k0.dtype, device=dev)
+            v = torch.zeros_like(k)
+            if fresh:
+                src = cache.layers[layer]
+                Lf = src.keys.shape[2]
+                k[fresh_idx, :, L - Lf :] = src.keys
+                v[fresh_idx, :, L - Lf :] = src.values
+            for i, h in enumerate(hits):
+                if h is not None:
+                    hk, hv = h[0][layer]
+                    k[i, :, L - hk.shape[1] :] = hk
+                    v[i, :, L - hv.shape[1] :] = hv
+            out_layers.append(SimpleNamespace(keys=k, values=v))
+        all_logits = torch.empty((len(unique), 1, first_logits.shape[0]), dtype=torch.float32, device=dev)
+        if fresh:
+            all_logits[fresh_idx] = logits[:, -1:, :]
+        for i, h in enumerate(hits):
+            if h is not None:
+                all_logits[i, 0] = h[1]
+        return SimpleNamespace(layers=out_layers), all_logits
+
+    def _forward_prompts(self, items: list[Any], want_prompt_lp: bool) -> tuple[Any, Any]:
+        """One left-padded forward pass over ``items``' prompts: ``(DynamicCache, fp32 logits)``."""
+        torch = self.torch
+        dev = self.device
+        P, L = len(items), max(len(it.ids) for it in items)
+        # built on the host (P small writes), moved to the engine's device once
+        ids = torch.zeros(P, L, dtype=torch.long)
+        pad_mask = torch.zeros(P, L, dtype=torch.bool)
+        pos = torch.zeros(P, L, dtype=torch.long)
+        for i, it in enumerate(items):
+            n = len(it.ids)
+            ids[i, L - n :] = torch.tensor(it.ids, dtype=torch.long)
+            pad_mask[i, L - n :] = True
+            pos[i, L - n :] = torch.arange(n)
+        ids, pad_mask, pos = ids.to(dev), pad_mask.to(dev), pos.to(dev)
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        mask4 = (causal[None] & pad_mask[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev)[None]
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        out = self._forward_with_adapters(  # the samples of an item share one request, so one adapter
+            [it.samples[0].adapter if it.samples else None for it in items],
+            input_ids=ids,
+            attention_mask=mask4[:, None],
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt_lp else 1,
+        )
+        return cache, out.logits.float()

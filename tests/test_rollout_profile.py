@@ -1,0 +1,199 @@
+"""The rollout profile (issue 28 item 4): the engine thread's seconds by component, their export,
+and the shared prefill of identical prompts sent as separate requests.
+
+Real engine (the tiny model redrawn at std 0.2, fp32, one thread), real HTTP server in-process;
+no timing thresholds: only that the accounting is complete and lands in the right components.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+
+from asyncrl.metrics.labels import ENGINE_COMPONENTS
+from rollout_server.engine import Engine
+from rollout_server.engine_sample import EngineGroup, EngineSample
+from rollout_server.sampling import SamplingParams
+from rollout_server.testing import make_random_model, recompute_logprobs
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    return make_random_model(tiny_model_dir, tmp_path_factory.mktemp("profile") / "m", seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _sample(rid: str, prompt: list[int], n: int) -> EngineSample:
+    return EngineSample(rid, list(prompt), SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True),
+                        return_logprob=True)
+
+
+def _wait(samples: list[EngineSample], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(s.finished for s in samples):
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        time.sleep(0.01)
+
+
+def test_identical_prompts_share_one_prefill_row(model):
+    """Requests of the same prompt admitted together run one prefill row; their logprobs are still
+    the trainer's recomputation and every sample samples on its own (the n samples differ)."""
+    eng = Engine(model, None, context_len=512, max_batch_size=16, threads=1)
+    p, q = [5, 17, 42, 8, 99, 3, 61], [7, 7, 13]
+    samples = [_sample(f"p{i}", p, 6) for i in range(5)] + [_sample(f"q{i}", q, 6) for i in range(3)]
+    eng.submit([EngineGroup(s.prompt_ids, [s]) for s in samples])  # one request per sample, as the worker sends
+    eng.start()
+    try:
+        _wait(samples)
+    finally:
+        eng.stop()
+    assert eng.stats["prompt_tokens_total"] == 5 * len(p) + 3 * len(q)
+    assert eng.stats["prefill_forward_tokens_total"] == len(p) + len(q)  # one row per distinct prompt
+    for s in samples:
+        assert s.finish_reason["type"] == "length" and len(s.output_ids) == 6
+        ref = recompute_logprobs(model, s.prompt_ids, s.output_ids)
+        assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < 1e-4, s.rid
+    assert len({tuple(s.output_ids) for s in samples[:5]}) > 1  # not one draw copied to every sample
+
+
+def test_profile_accounts_the_engine_thread(model):
+    """Every second of the engine thread lands in one component; the work lands where it belongs."""
+    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
+    t0 = time.perf_counter()
+    eng.start()
+    try:
+        time.sleep(0.2)  # idle
+        samples = [_sample(f"r{i}", [3 + i, 9, 27, 4], 12) for i in range(4)]
+        eng.submit([EngineGroup(s.prompt_ids, [s]) for s in samples])
+        _wait(samples)
+        eng.call("pause", "in_place").result(60)
+        time.sleep(0.2)  # paused
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if k == "model.norm.weight"}
+        eng.call("update_weights", state, "1", False).result(60)
+        eng.call("resume").result(60)
+    finally:
+        eng.stop()
+    wall = time.perf_counter() - t0
+    prof = eng.profile_snapshot()
+    assert tuple(prof) == ENGINE_COMPONENTS
+    for component in ("prefill_forward", "decode_forward", "sampling", "decode_other", "weights", "idle", "paused"):
+        assert prof[component] > 0, (component, prof)
+    assert prof["idle"] >= 0.15 and prof["paused"] >= 0.15, prof
+    assert sum(prof.values()) <= wall
+    assert sum(prof.values()) >= 0.5 * wall, (wall, prof)  # nothing big unaccounted (the thread's start and end are not)
+
+
+async def test_metrics_export_the_profile(model_dir):
+    """``/metrics`` and ``/get_server_info`` of the embedded server carry the engine's seconds by component."""
+    from aiohttp import ClientSession, web
+
+    from asyncrl.core.net import free_port
+    from rollout_server.client import EngineClient
+    from rollout_server.server import RolloutHTTPServer, ServerOptions
+
+    port = free_port()
+    server = RolloutHTTPServer(ServerOptions(str(model_dir), port=port, weight_version="0", engine_threads=1,
+                                             incremental_streaming_output=True))
+    await asyncio.get_running_loop().run_in_executor(None, server.load)
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with EngineClient(url) as c:
+            await c.generate_collect([4, 5, 6], {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True})
+        async with ClientSession() as http:
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+            async with http.get(url + "/get_server_info") as r:
+                info = await r.json()
+    finally:
+        await runner.cleanup()
+    found = dict(re.findall(r'^asyncrl_rollout_engine_seconds_total\{component="(\w+)"\} (\S+)$', text, re.M))
+    assert set(found) == set(ENGINE_COMPONENTS)
+    assert float(found["decode_forward"]) > 0 and float(found["prefill_forward"]) > 0
+    assert set(info["engine_profile_seconds"]) == set(ENGINE_COMPONENTS)
+    assert info["engine_profile_seconds"]["decode_forward"] >= float(found["decode_forward"])
+
+
+def test_prompt_cache_serves_a_prompt_prefilled_before(model):
+    """A prompt prefilled in an earlier iteration is not prefilled again (same logprobs as a
+    recomputation); a weight update empties the cache; a cache of 0 tokens is off."""
+    import torch
+
+    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
+    p = [11, 23, 5, 77, 2, 9]
+    norm = model.state_dict()["model.norm.weight"].detach().clone()
+    eng.start()
+    try:
+        first = _sample("a", p, 5)
+        eng.submit([EngineGroup(p, [first])])
+        _wait([first])
+        later = [_sample("b", p, 5), _sample("c", [4, 4, 8], 5)]  # one cached prompt, one new, in one prefill
+        eng.submit([EngineGroup(s.prompt_ids, [s]) for s in later])
+        _wait(later)
+        assert eng.stats["prompt_cache_hits_total"] == 1
+        assert eng.stats["prefill_forward_tokens_total"] == len(p) + 3
+        alone = [_sample("e", p, 5)]  # a prefill served by the cache alone
+        eng.submit([EngineGroup(p, alone)])
+        _wait(alone)
+        assert eng.stats["prompt_cache_hits_total"] == 2 and eng.stats["prefill_forward_tokens_total"] == len(p) + 3
+        later += alone
+        for s in [first, *later]:
+            ref = recompute_logprobs(model, s.prompt_ids, s.output_ids)
+            assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < 1e-4, s.rid
+        state = {"model.norm.weight": norm * 1.5}
+        eng.call("update_weights", state, "1", False).result(60)
+        assert len(eng.prompt_cache) == 0  # keys/values of the old weights are never served
+        after = _sample("d", p, 3)
+        eng.submit([EngineGroup(p, [after])])
+        _wait([after])
+        assert eng.stats["prompt_cache_hits_total"] == 2 and eng.stats["prefill_forward_tokens_total"] == 2 * len(p) + 3
+    finally:
+        eng.stop()
+        with torch.no_grad():  # the module's model is shared: give the norm its values back
+            model.model.norm.weight.copy_(norm)
+    off = Engine(model, None, context_len=512, max_batch_size=8, threads=1, prompt_cache_tokens=0)
+    assert off.prompt_cache is None
+
+
+def test_prompt_cache_evicts_by_tokens_and_refuses_a_negative_size():
+    from rollout_server.prompt_cache import PromptCache
+
+    pc = PromptCache(10)
+    pc.put((None, (1, 2, 3, 4)), [], "a")
+    pc.put((None, (5, 6, 7, 8)), [], "b")
+    assert pc.get((None, (1, 2, 3, 4)))[1] == "a"  # now the most recently used
+    pc.put((None, (9, 9, 9)), [], "c")  # 11 tokens > 10: the least recently used (5, 6, 7, 8) goes
+    assert pc.get((None, (5, 6, 7, 8))) is None and len(pc) == 2 and pc.tokens == 7
+    pc.put((None, tuple(range(11))), [], "d")  # longer than the whole cache: not kept
+    assert len(pc) == 2
+    with pytest.raises(ValueError, match=">= 0 tokens"):
+        PromptCache(-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_weight_finiteness_check_finds_every_nan_and_infinity(dtype):
+    """The one-pass check of a weight update (engine_weights._all_finite) agrees with isfinite."""
+    import torch
+
+    from rollout_server.engine_weights import _all_finite
+
+    x = torch.randn(1000).to(getattr(torch, dtype))
+    assert _all_finite(torch, x) and _all_finite(torch, torch.empty(0, 4, dtype=x.dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[617] = bad
+        assert not _all_finite(torch, y), bad
