@@ -162,3 +162,24 @@ def test_eval_records_name_run_files_relative_to_the_runs_folder(tmp_path):
     outside = tmp_path / "models" / "base"
     for kept in ("smollm2-135m-instruct", "nccl://10.0.0.1:29500/v20", str(outside), "weights/v000020"):
         assert record_path(kept, run_dir) == kept
+
+
+def test_latest_weights_finds_an_adapter_when_the_announcement_is_a_url(tmp_path, tiny_model_dir):
+    """http and nccl announce a URL: the newest version directory is evaluated, a LoRA adapter
+    (adapter_config.json, no config.json) included, not the base model at version 0."""
+    from types import SimpleNamespace
+
+    ctl = _controller(tmp_path, tiny_model_dir)
+    weights = Path(ctl.cfg.weight_sync.dir or ctl.run_dir / "weights")
+    for v in (1, 2):
+        d = weights / f"v{v:06d}"
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+        time.sleep(0.01)
+
+    class Clock:
+        async def latest(self):
+            return SimpleNamespace(uri="http://127.0.0.1:1/weights/v000002", version=2)
+
+    got = asyncio.run(ctl._latest_weights(SimpleNamespace(clock=Clock())))
+    assert got == (str(weights / "v000002"), 2)

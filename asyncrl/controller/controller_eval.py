@@ -54,13 +54,18 @@ class ControllerEvaluation:
     ``eval_before``, ``eval_seconds_total``, ``last_eval_step`` and ``_log``)."""
 
     async def _latest_weights(self, buf: Any) -> tuple[str, int]:
-        """(model directory, policy version) of the newest published weights; the base model at version 0."""
+        """(model directory, policy version) of the newest published weights; the base model at version 0.
+
+        The announcement's URI when it is a directory (``disk``); otherwise (``http``, ``nccl``
+        announce a URL) the newest version directory under the weights directory, full weights
+        (``config.json``) or a LoRA adapter (``adapter_config.json``)."""
         ann = await buf.clock.latest() if buf is not None else None
         if ann is not None and ann.uri and Path(ann.uri).is_dir():
             return ann.uri, int(ann.version)
         weights_dir = Path(self.cfg.weight_sync.dir or self.run_dir / "weights")
         if ann is not None and weights_dir.is_dir():
-            cands = sorted((p for p in weights_dir.iterdir() if p.is_dir() and (p / "config.json").exists()),
+            cands = sorted((p for p in weights_dir.iterdir() if p.is_dir() and ((p / "config.json").exists()
+                                                                              or (p / "adapter_config.json").exists())),
                            key=lambda p: p.stat().st_mtime)
             if cands:
                 return str(cands[-1]), int(ann.version)
