@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -99,10 +100,8 @@ async def _round(url: str, pid: int, big_body: dict) -> dict:
         beside = await asyncio.gather(*[_small(http, url) for _ in range(8)])
         cpu_beside = _cpu_seconds(pid) - c0
         task.cancel()  # closing the stream aborts the big request
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
         await asyncio.sleep(0.5)
     return {"alone": alone, "solo": list(solo), "beside": list(beside),
             "ratios": [b / s for b, s in zip(sorted(beside), sorted(solo))],

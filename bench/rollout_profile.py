@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -134,12 +135,12 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
             while True:  # the server loads the model, then answers
                 if proc.poll() is not None:
                     raise RuntimeError(f"the rollout server exited ({proc.returncode}); see {tmp / 'rollout_server.log'}")
-                try:
+                healthy = False
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):  # still loading: ask again
                     async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        if r.status == 200:
-                            break
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
+                        healthy = r.status == 200
+                if healthy:
+                    break
                 if time.monotonic() > deadline:
                     raise RuntimeError("the rollout server did not answer /health in 600 s")
                 await asyncio.sleep(0.5)
@@ -152,11 +153,10 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
             async def sample_loads() -> None:
                 while not stop.is_set():
                     await asyncio.sleep(0.25)
-                    try:
+                    # a sample the busy server does not answer in time is left out of the mean concurrency
+                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
                         async with http.get(url + "/v1/loads", timeout=aiohttp.ClientTimeout(total=5)) as r:
                             running.append(int((await r.json())["loads"][0]["num_running_reqs"]))
-                    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
-                        pass
 
             async def metrics() -> dict[str, Any]:
                 async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as r:

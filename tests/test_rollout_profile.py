@@ -197,3 +197,19 @@ def test_weight_finiteness_check_finds_every_nan_and_infinity(dtype):
         y = x.clone()
         y[617] = bad
         assert not _all_finite(torch, y), bad
+
+
+def test_weight_finiteness_check_falls_back_where_aminmax_has_no_kernel():
+    """fp8 weights have no aminmax kernel on the CPU: the check falls back to isfinite and still
+    finds a NaN (float8_e5m2 has NaN and infinities)."""
+    import torch
+
+    from rollout_server.engine_weights import _all_finite
+
+    x = torch.randn(64).to(torch.float8_e5m2)
+    with pytest.raises(NotImplementedError):
+        torch.aminmax(x)  # the case the fallback exists for
+    assert _all_finite(torch, x)
+    y = x.clone()
+    y[5] = float("nan")
+    assert not _all_finite(torch, y)

@@ -99,6 +99,6 @@ def role_main(argv: list[str], command: str, run: Callable[[Any], Awaitable[int]
     except (ConfigError, ValueError, *config_errors) as exc:
         print(f"asyncrl {command}: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the port is taken, ...
+    except OSError as exc:  # the server could not bind or serve (e.g. its port is taken): exit 1
         print(f"asyncrl {command}: {exc}", file=sys.stderr)
         return 1
