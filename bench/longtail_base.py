@@ -16,12 +16,15 @@ of steps and response tokens; a few sample responses; the 1-minute load average 
 (the machine may be shared, so the seconds are not a speed claim).
 
 Usage: ``python bench/longtail_base.py [--config configs/smollm2_longtail.yaml]
-[--num_problems 200] [--threads 2] [--json docs/bench/longtail_base.json]``.
+[--num_problems 200] [--threads 2] [--json docs/bench/longtail_base.json]
+[--samples_jsonl FILE]`` (``--samples_jsonl``: every response, one JSON line per problem with its
+step count, to read the failures).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
+    p.add_argument("--samples_jsonl", type=Path, help="write every sample (with its step count) here")
     args = p.parse_args(argv)
     if args.num_problems < 1 or args.threads < 1 or args.batch_size < 1:
         raise SystemExit("longtail_base: --num_problems, --threads and --batch_size must be >= 1")
@@ -138,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1min_before_after": [round(load_before, 2), round(load_after, 2)],
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
     }
+    if args.samples_jsonl:
+        args.samples_jsonl.parent.mkdir(parents=True, exist_ok=True)
+        with args.samples_jsonl.open("w") as f:
+            for s, n in zip(samples, steps):
+                f.write(json.dumps({"steps": n, **{k: s[k] for k in ("problem", "gold", "response", "extracted",
+                                                                     "correct", "tokens")}}) + "\n")
     emit(record, args.json)
     return 0
 
