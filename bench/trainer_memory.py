@@ -12,12 +12,12 @@ training loop calls them.
 
 Each arm runs in its own process (clean counters), once per allocator setting (``--allocators``):
 
-* ``glibc``: the default allocator, as the main job ran;
-* ``trim``: the same, with ``malloc_trim(0)`` after each stage (what the allocator holds free
-  versus what is live);
-* ``mmap``: ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment, which turns off glibc's dynamic
-  mmap threshold (mallopt(3)): every tensor over 64 KiB is its own mapping, returned to the
-  system when freed.
+* ``glibc``: ``trainer.heap_mmap_threshold_bytes: null``, glibc's dynamic mmap threshold, as the
+  main job ran before trainer/memory.py;
+* ``trim``: the same, with ``malloc_trim(0)`` after each stage (what the heap holds free versus
+  what is live);
+* ``fixed``: the trainer's default, a fixed 1 MiB threshold (trainer/memory.py): every block of
+  1 MiB or more is its own mapping, returned to the system when freed.
 
 Recorded after each stage (model load, LoRA wrap, ``Trainer`` construction = ``deepspeed.initialize``,
 ``begin_step``, forward, backward, optimizer step, publish): resident memory (psutil), the peak
@@ -30,7 +30,7 @@ breakdown, and the ratios LoRA/full.
 
 Memory figures do not depend on the machine's load (timings are not reported).
 
-Usage: ``python bench/trainer_memory.py [--arms full,lora] [--allocators glibc,trim,mmap]
+Usage: ``python bench/trainer_memory.py [--arms full,lora] [--allocators glibc,trim,fixed]
 [--early 16,48] [--late 3,10] [--early_steps 2] [--late_steps 3] [--json out.json]``.
 """
 
@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 GB = 1e9
 ARMS = {"full": {}, "lora": {"trainer": {"lora": {"rank": 16, "alpha": 32}}}}
-ALLOCATORS = {"glibc": {}, "trim": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+#: allocator setting -> trainer config overrides
+ALLOCATORS = {"glibc": {"heap_mmap_threshold_bytes": None}, "trim": {"heap_mmap_threshold_bytes": None}, "fixed": {}}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -152,6 +153,7 @@ def child(arm: str, allocator: str, args) -> dict:
     overrides = {"model": {"path": str(model_dir)}, "run": {"output_dir": str(out_dir), "name": arm}}
     for key, value in ARMS[arm].items():
         overrides.setdefault(key, {}).update(value)
+    overrides.setdefault("trainer", {}).update(ALLOCATORS[allocator])
     cfg = load_config(["--config", str(args.config)], environ={}, overrides=overrides)
     tr = Trainer(cfg, model=model)
     del model
@@ -248,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--early", ",".join(map(str, args.early)), "--late", ",".join(map(str, args.late)),
                    "--early_steps", str(args.early_steps), "--late_steps", str(args.late_steps),
                    "--threads", str(args.threads)]
-            env = {**os.environ, **ALLOCATORS[allocator]}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"{arm}/{allocator} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
