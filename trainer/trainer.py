@@ -141,6 +141,11 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         from trainer.engine import build_engine, init_distributed
 
         self.cfg = cfg
+        if cfg.trainer.heap_mmap_threshold_bytes is not None:
+            from trainer.memory import fix_mmap_threshold
+
+            # freed activations go back to the system, not to malloc's heap (trainer/memory.py)
+            fix_mmap_threshold(cfg.trainer.heap_mmap_threshold_bytes)
         self.rank, self.world_size = init_distributed()
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
