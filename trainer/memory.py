@@ -64,8 +64,8 @@ def fix_mmap_threshold(threshold_bytes: int) -> bool:
 
     Args:
         threshold_bytes: the fixed ``M_MMAP_THRESHOLD``, 4 KiB to 32 MiB (glibc's range on
-            64-bit). The trainer uses 1 MiB: an activation row of 1,000 tokens x 576 fp32
-            features is 2.3 MB.
+            64-bit). For ``trainer.heap_mmap_threshold_bytes`` (off by default) 1 MiB is
+            suggested: an activation row of 1,000 tokens x 576 fp32 features is 2.3 MB.
 
     Returns:
         True when glibc took the setting; False on another C library (nothing changed).

@@ -172,8 +172,8 @@ class TrainerConfig(_Section):
     """Training precision (logprobs are always computed in fp32)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass."""
-    heap_mmap_threshold_bytes: int | None = Field(1 << 20, ge=4096, le=32 << 20)
-    """On glibc, host allocations of at least this many bytes get their own mapping, unmapped when freed (``mallopt(M_MMAP_THRESHOLD)``, trainer/memory.py): a step's freed activations go back to the system instead of staying in malloc's heap for the rest of the run. None: glibc's dynamic threshold (the heap keeps a step's high-water mark; docs/trainer.md#lora)."""
+    heap_mmap_threshold_bytes: int | None = Field(None, ge=4096, le=32 << 20)
+    """On glibc, host allocations of at least this many bytes get their own mapping, unmapped when freed (``mallopt(M_MMAP_THRESHOLD)``, trainer/memory.py): a step's freed activations go back to the system instead of staying in malloc's heap for the rest of the run. None (the default until its cost in page faults is measured): glibc's dynamic threshold (the heap keeps a step's high-water mark; docs/trainer.md#lora). 1048576 (1 MiB) is the value the LoRA breakdown suggests."""
     checkpoint_interval: int = Field(10, ge=1)
     """Save a checkpoint (and commit the buffer) every this many steps."""
     batch_wait_seconds: float = Field(3600.0, ge=1.0, le=604800.0)
