@@ -250,6 +250,53 @@ def test_server_checks_auth_and_bounds_and_one_bad_request_touches_no_other(rm_s
     assert KEY not in log and KEY not in " ".join(rm_server.proc.args)
 
 
+def _cpu_seconds(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def test_server_refuses_compressed_bodies_before_auth_and_never_inflates_them(rm_server):
+    """The shared guards of asyncrl's servers (asyncrl.core.net, issue #31 items 2 and 3), as the
+    rollout server and the sessions app have them (tests/test_probe_suite.py): a ``Content-Encoding``
+    is a 415 naming it before auth and before the body is read, a deflate bomb (64 MB of zeros) costs
+    the server no CPU after its answer (no lingering read, no inflation), a non-ASCII bearer is a
+    400 naming the header. Before: a gzipped body with the key was inflated and scored (200), the
+    bomb was inflated after its 401, and the bearer was a 500."""
+    import gzip
+    import zlib
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(rm_server.url + "/score", content=gzip.compress(json.dumps({"texts": ["a"]}).encode()),
+                   headers={**auth, "Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"], r.text
+    zeros = b"\0" * (64 << 20)
+    probes = [(zlib.compress(zeros, 9), "deflate", {}), (gzip.compress(zeros, 9), "gzip", auth)]
+    del zeros
+    statuses = []
+    for data, enc, headers in probes:
+        cpu0 = _cpu_seconds(rm_server.proc.pid)
+        try:
+            r = httpx.post(rm_server.url + "/score", content=data, headers={**headers, "Content-Encoding": enc}, timeout=30)
+            statuses.append(r.status_code)
+            assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"], (enc, r.text)
+        except httpx.TransportError:  # the server may close before the body is sent: refused all the same
+            statuses.append(-1)
+        time.sleep(0.2)  # a lingering inflation (the bug) would burn CPU after the answer
+        cpu = _cpu_seconds(rm_server.proc.pid) - cpu0
+        assert cpu < 0.15, f"{enc}: the reward-model server used {cpu:.2f} s of CPU on a refused compressed body"
+    assert 415 in statuses, statuses
+    for headers, name in (({"Authorization": b"Bearer \xff\xfe".decode("latin-1")}, "Authorization"),
+                          ({"x-api-key": b"\xff".decode("latin-1")}, "x-api-key")):
+        r = httpx.post(rm_server.url + "/score", content=b'{"texts": ["a"]}',
+                       headers={"Content-Type": "application/json", **{k: v.encode("latin-1") for k, v in headers.items()}})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+    r = httpx.post(rm_server.url + "/score", json={"texts": ["a"]}, headers={**auth, "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+    assert httpx.get(rm_server.url + "/health").status_code == 200
+
+
 @pytest.mark.slow  # a second server process: ~25 s on 2 busy cores
 def test_sigterm_drains_queued_requests_then_refuses_new_ones(tiny_reward_model_dir, tmp_path, direct):
     """Requests queued when SIGTERM arrives are scored and answered; one sent during the drain gets
