@@ -138,15 +138,22 @@ class RMProcess:
             [sys.executable, "-m", "asyncrl.cli", "reward-model", "--reward.model.path", str(model_dir),
              "--reward.model.port", str(self.port), "--reward.model.threads", "1", *flags],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
+        try:
+            self._wait_ready(time.monotonic() + 120)
+        except BaseException:  # never leave the process behind a failed start
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def _wait_ready(self, deadline: float) -> None:
         while True:
-            assert self.proc.poll() is None, f"reward-model exited {self.proc.returncode}:\n{log.read_text()}"
+            assert self.proc.poll() is None, f"reward-model exited {self.proc.returncode}:\n{self.log.read_text()}"
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
+                    return
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
             time.sleep(0.2)
 
     def stop(self) -> int:
