@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._report import write_record  # noqa: E402
 from bench.fairness_bench import SMALL, maximal, thread_times  # noqa: E402
 
 
@@ -205,9 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     / max(max(r["solo"], key=lambda x: x["wall"])["engine_cpu"], 1e-9) for r in reps]
     result = {"summary": summary, "repeats": reps}
     print(json.dumps(summary, indent=2))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(result, Path(a.json) if a.json else None)
     return result
 
 
