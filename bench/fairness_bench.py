@@ -17,7 +17,7 @@ hits them alike; the JSON holds every time, the per-request ratios (beside / sol
 medians and maxima per server, and the server process's CPU seconds while the 8 ran, beside
 against solo: on a loaded machine the wall times move with the load, the CPU seconds much less.
 
-Starvation: run at low priority (SCHED_IDLE, as ``/work/lowprio``-style wrappers do) on a machine
+Starvation: run at low priority (SCHED_IDLE: ``chrt --idle 0 nice -n 19 python ...``) on a machine
 whose cores are busy, the server and this client get a CPU only when nothing else wants one, and a
 phase's wall time is then mostly time spent *runnable but not running*: the kernel's run-queue wait,
 not the server's. Each phase therefore records, from ``/proc/PID/task/TID/schedstat`` (Linux;
