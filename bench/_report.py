@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["emit", "record_path", "portable"]
+__all__ = ["emit", "record_path", "portable", "write_record"]
 
 #: A run directory holds this file (asyncrl.controller writes it).
 RUN_MARKER = "run_state.json"
@@ -21,11 +21,15 @@ RUN_MARKER = "run_state.json"
 
 def emit(result: dict[str, Any], path: Path | None) -> None:
     """Print ``result`` as indented JSON and, when ``path`` is given, write it there (parents created)."""
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
+    write_record(result, path)
+
+
+def write_record(result: dict[str, Any], path: Path | None) -> None:
+    """Write ``result`` as indented JSON to ``path`` (parents created); nothing when ``path`` is None."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
+        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def record_path(path: str | os.PathLike) -> str:

@@ -17,6 +17,18 @@ hits them alike; the JSON holds every time, the per-request ratios (beside / sol
 medians and maxima per server, and the server process's CPU seconds while the 8 ran, beside
 against solo: on a loaded machine the wall times move with the load, the CPU seconds much less.
 
+Starvation: run at low priority (SCHED_IDLE: ``chrt --idle 0 nice -n 19 python ...``) on a machine
+whose cores are busy, the server and this client get a CPU only when nothing else wants one, and a
+phase's wall time is then mostly time spent *runnable but not running*: the kernel's run-queue wait,
+not the server's. Each phase therefore records, from ``/proc/PID/task/TID/schedstat`` (Linux;
+Documentation/scheduler/sched-stats.rst: CPU ns, run-queue wait ns, timeslices), the CPU and
+run-queue wait seconds of every server thread and of this client, and each small request's time in
+the engine (``meta_info.e2e_latency``: submit to finish) beside its wall time. A repeat is *clean*
+when in both phases no server thread and no client thread waited in the run queue for more than
+``--max-starved`` (default 0.1) of the phase; the summary gives the wall ratios over all repeats and
+over the clean ones (None when there are none: then the wall-clock ratio was not measured, only
+the scheduler).
+
 ``--engine`` runs the same scenario through the engine in this process (no HTTP: its decode loop
 alone), ``fair`` against ``off``, and reports CPU and wall ratios beside / solo.
 
@@ -34,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -54,12 +67,50 @@ def maximal(rows: int, reserve: int, cost: int) -> dict:
             "sampling_params": {"n": n, "max_new_tokens": cost // (n * 22), "ignore_eos": True}}
 
 
-async def _small(http, url: str) -> float:
+async def _small(http, url: str) -> tuple[float, float]:
+    """One small request: (wall seconds at the client, seconds in the engine: submit to finish)."""
     t0 = time.monotonic()
     async with http.post(url + "/generate", json=SMALL) as r:
         assert r.status == 200, await r.text()
-        await r.read()
-    return time.monotonic() - t0
+        body = await r.json()
+    return time.monotonic() - t0, float(body["meta_info"]["e2e_latency"])
+
+
+async def _smalls(http, url: str, k: int = 8) -> tuple[list[float], list[float]]:
+    """``k`` small requests at once: their wall seconds and their seconds in the engine."""
+    out = await asyncio.gather(*[_small(http, url) for _ in range(k)])
+    return [w for w, _ in out], [e for _, e in out]
+
+
+def thread_times(pid: int) -> dict[str, tuple[float, float]] | None:
+    """Per thread of process ``pid``: (CPU seconds, run-queue wait seconds) so far, from
+    ``/proc/PID/task/TID/schedstat`` (Linux with schedstats; None elsewhere). The wait is the time the
+    thread was runnable but another task had the CPU (Documentation/scheduler/sched-stats.rst)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        except (OSError, ValueError):  # the thread ended meanwhile, or no schedstats
+            continue
+        out[tid] = (cpu_ns / 1e9, wait_ns / 1e9)
+    return out or None
+
+
+def starvation(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """What the scheduler withheld over a phase of ``wall`` seconds: the largest run-queue wait of
+    one thread as a share of the phase (``share``), and the CPU / wait seconds of the thread that
+    waited most (None without schedstats)."""
+    if not before or not after or wall <= 0:
+        return None
+    deltas = {t: (c - before.get(t, (0.0, 0.0))[0], w - before.get(t, (0.0, 0.0))[1]) for t, (c, w) in after.items()}
+    tid = max(deltas, key=lambda t: deltas[t][1])
+    cpu, wait = deltas[tid]
+    return {"share": wait / wall, "cpu_s": cpu, "wait_s": wait, "cpu_all_threads_s": sum(c for c, _ in deltas.values())}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -79,12 +130,20 @@ async def _round(url: str, pid: int, big_body: dict) -> dict:
     """
     import aiohttp
 
+    me = os.getpid()
+
+    async def phase() -> dict:
+        s0, m0, c0, t0 = thread_times(pid), thread_times(me), _cpu_seconds(pid), time.monotonic()
+        walls, engine = await _smalls(http, url)
+        wall = time.monotonic() - t0
+        server, client = starvation(s0, thread_times(pid), wall), starvation(m0, thread_times(me), wall)
+        return {"walls": walls, "engine_s": engine, "cpu_s": _cpu_seconds(pid) - c0, "wall_s": wall,
+                "server_starved": server, "client_starved": client}
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         await _small(http, url)  # warm
-        alone = await _small(http, url)
-        c0 = _cpu_seconds(pid)
-        solo = await asyncio.gather(*[_small(http, url) for _ in range(8)])
-        cpu_solo = _cpu_seconds(pid) - c0
+        alone = (await _small(http, url))[0]
+        solo = await phase()
         streaming = asyncio.Event()
 
         async def big() -> None:
@@ -96,16 +155,18 @@ async def _round(url: str, pid: int, big_body: dict) -> dict:
         task = asyncio.create_task(big())
         await asyncio.wait_for(streaming.wait(), 120)
         await asyncio.sleep(0.2)
-        c0 = _cpu_seconds(pid)
-        beside = await asyncio.gather(*[_small(http, url) for _ in range(8)])
-        cpu_beside = _cpu_seconds(pid) - c0
+        beside = await phase()
         task.cancel()  # closing the stream aborts the big request
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.5)
-    return {"alone": alone, "solo": list(solo), "beside": list(beside),
-            "ratios": [b / s for b, s in zip(sorted(beside), sorted(solo))],
-            "cpu_solo_s": cpu_solo, "cpu_beside_s": cpu_beside, "cpu_ratio": cpu_beside / max(cpu_solo, 1e-9)}
+    shares = [x["share"] for p in (solo, beside) for x in (p["server_starved"], p["client_starved"]) if x is not None]
+    return {"alone": alone, "solo": solo["walls"], "beside": beside["walls"],
+            "ratios": [b / s for b, s in zip(sorted(beside["walls"]), sorted(solo["walls"]))],
+            "engine_ratios": [b / s for b, s in zip(sorted(beside["engine_s"]), sorted(solo["engine_s"]))],
+            "cpu_solo_s": solo["cpu_s"], "cpu_beside_s": beside["cpu_s"],
+            "cpu_ratio": beside["cpu_s"] / max(solo["cpu_s"], 1e-9),
+            "phases": {"solo": solo, "beside": beside}, "starved_share": max(shares) if shares else None}
 
 
 def run_http(a: argparse.Namespace) -> dict:
@@ -127,24 +188,33 @@ def run_http(a: argparse.Namespace) -> dict:
             for name, srv in servers.items():
                 r = asyncio.run(_round(srv.url, srv.process.pid, body))
                 rounds[name].append(r)
+                starved = "n/a" if r["starved_share"] is None else f"{r['starved_share']:.0%}"
                 print(f"repeat {rep} {name}: one alone {r['alone']:.3f} s, 8 solo median {statistics.median(r['solo']):.3f} s, "
                       f"beside median {statistics.median(r['beside']):.3f} s, ratio max {max(r['ratios']):.2f}, "
-                      f"server CPU beside / solo {r['cpu_ratio']:.2f}", flush=True)
+                      f"server CPU beside / solo {r['cpu_ratio']:.2f}, largest run-queue wait {starved} of a phase",
+                      flush=True)
     finally:
         for srv in servers.values():
             srv.stop()
     summary = {}
     for name, rs in rounds.items():
         ratios = [x for r in rs for x in r["ratios"]]
+        clean = [r for r in rs if r["starved_share"] is not None and r["starved_share"] <= a.max_starved]
+        clean_ratios = [x for r in clean for x in r["ratios"]]
         summary[name] = {"ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
                          "per_repeat_max": [max(r["ratios"]) for r in rs],
+                         "starved_shares": [r["starved_share"] for r in rs],
+                         "clean_repeats": len(clean),
+                         "clean_ratio_median": statistics.median(clean_ratios) if clean else None,
+                         "clean_ratio_max": max(clean_ratios) if clean else None,
+                         "engine_ratio_median": statistics.median(x for r in rs for x in r["engine_ratios"]),
                          "cpu_ratio_median": statistics.median(r["cpu_ratio"] for r in rs),
                          "cpu_ratios": [r["cpu_ratio"] for r in rs],
                          "solo_median_s": statistics.median(x for r in rs for x in r["solo"]),
                          "beside_median_s": statistics.median(x for r in rs for x in r["beside"]),
                          "alone_median_s": statistics.median(r["alone"] for r in rs)}
     return {"big_request": body, "small_request": SMALL, "rows": a.rows, "reserve": a.reserve, "cost": a.cost,
-            "threads": a.threads, "model": record_path(a.model) if a.model else "tiny (random, seed 1)",
+            "threads": a.threads, "max_starved": a.max_starved, "loadavg_end": os.getloadavg(), "model": record_path(a.model) if a.model else "tiny (random, seed 1)",
             "summary": summary, "rounds": rounds}
 
 
@@ -260,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cost", type=int, default=1 << 20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-starved", type=float, default=0.1,
+                   help="a repeat is clean when no thread waited in the run queue for more than this share of a phase")
     p.add_argument("--calibrate", action="store_true", help="fit the step cost model instead")
     p.add_argument("--engine", action="store_true", help="the scenario through the engine in this process, no HTTP")
     p.add_argument("--json", default=None)

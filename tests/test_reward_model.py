@@ -138,15 +138,22 @@ class RMProcess:
             [sys.executable, "-m", "asyncrl.cli", "reward-model", "--reward.model.path", str(model_dir),
              "--reward.model.port", str(self.port), "--reward.model.threads", "1", *flags],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
+        try:
+            self._wait_ready(time.monotonic() + 120)
+        except BaseException:  # never leave the process behind a failed start
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def _wait_ready(self, deadline: float) -> None:
         while True:
-            assert self.proc.poll() is None, f"reward-model exited {self.proc.returncode}:\n{log.read_text()}"
+            assert self.proc.poll() is None, f"reward-model exited {self.proc.returncode}:\n{self.log.read_text()}"
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
+                    return
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
             time.sleep(0.2)
 
     def stop(self) -> int:
@@ -248,6 +255,53 @@ def test_server_checks_auth_and_bounds_and_one_bad_request_touches_no_other(rm_s
     assert _metric(rm_server.url, 'asyncrl_reward_model_requests_total{result="unauthorized"}') >= 2
     log = rm_server.log.read_text()
     assert KEY not in log and KEY not in " ".join(rm_server.proc.args)
+
+
+def _cpu_seconds(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def test_server_refuses_compressed_bodies_before_auth_and_never_inflates_them(rm_server):
+    """The shared guards of asyncrl's servers (asyncrl.core.net, issue #31 items 2 and 3), as the
+    rollout server and the sessions app have them (tests/test_probe_suite.py): a ``Content-Encoding``
+    is a 415 naming it before auth and before the body is read, a deflate bomb (64 MB of zeros) costs
+    the server no CPU after its answer (no lingering read, no inflation), a non-ASCII bearer is a
+    400 naming the header. Before: a gzipped body with the key was inflated and scored (200), the
+    bomb was inflated after its 401, and the bearer was a 500."""
+    import gzip
+    import zlib
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(rm_server.url + "/score", content=gzip.compress(json.dumps({"texts": ["a"]}).encode()),
+                   headers={**auth, "Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"], r.text
+    zeros = b"\0" * (64 << 20)
+    probes = [(zlib.compress(zeros, 9), "deflate", {}), (gzip.compress(zeros, 9), "gzip", auth)]
+    del zeros
+    statuses = []
+    for data, enc, headers in probes:
+        cpu0 = _cpu_seconds(rm_server.proc.pid)
+        try:
+            r = httpx.post(rm_server.url + "/score", content=data, headers={**headers, "Content-Encoding": enc}, timeout=30)
+            statuses.append(r.status_code)
+            assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"], (enc, r.text)
+        except httpx.TransportError:  # the server may close before the body is sent: refused all the same
+            statuses.append(-1)
+        time.sleep(0.2)  # a lingering inflation (the bug) would burn CPU after the answer
+        cpu = _cpu_seconds(rm_server.proc.pid) - cpu0
+        assert cpu < 0.15, f"{enc}: the reward-model server used {cpu:.2f} s of CPU on a refused compressed body"
+    assert 415 in statuses, statuses
+    for headers, name in (({"Authorization": b"Bearer \xff\xfe".decode("latin-1")}, "Authorization"),
+                          ({"x-api-key": b"\xff".decode("latin-1")}, "x-api-key")):
+        r = httpx.post(rm_server.url + "/score", content=b'{"texts": ["a"]}',
+                       headers={"Content-Type": "application/json", **{k: v.encode("latin-1") for k, v in headers.items()}})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+    r = httpx.post(rm_server.url + "/score", json={"texts": ["a"]}, headers={**auth, "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+    assert httpx.get(rm_server.url + "/health").status_code == 200
 
 
 @pytest.mark.slow  # a second server process: ~25 s on 2 busy cores

@@ -184,3 +184,77 @@ def test_fair_slowdown_flag_and_config_are_bounded():
     assert flags[flags.index("--fair-slowdown") + 1] == "3.0"
     with pytest.raises(Exception, match="engine_fair_slowdown"):
         load_config(["--rollout.engine_fair_slowdown", "0.5"], environ={})
+
+
+async def test_small_requests_never_wait_for_the_parse_thread(model, tiny_model_dir):
+    """Over HTTP, small requests are parsed, admitted to the engine, decoded and answered while the
+    big streamed request's chunks wait for the parse thread: the one thread where bodies and
+    responses over ``INLINE_PARSE_BYTES`` are built (rollout_server/limits.py, ``BodyReader``). Checked
+    by structure, not time: that thread is held by a blocker throughout and the big request's chunk
+    is still queued behind it when the 8 small answers are complete. (An executor used up by a big
+    request's serialisation was a candidate cause of the HTTP stall of docs/rollout.md's "Fairness
+    benchmark"; the stall was the scheduler's, and this keeps the candidate out.)"""
+    import asyncio
+    import threading
+
+    from aiohttp import ClientSession, web
+
+    from asyncrl.core.net import SERVER_KWARGS, free_port
+    from rollout_server.limits import INLINE_PARSE_BYTES
+    from rollout_server.server import RolloutHTTPServer, ServerOptions
+
+    port = free_port()
+    server = RolloutHTTPServer(ServerOptions(str(tiny_model_dir), port=port, engine_threads=1, max_running_requests=ROWS),
+                               model, None)
+    await asyncio.get_running_loop().run_in_executor(None, server.load)
+    queued: list[str] = []  # work sent to the parse thread and not finished
+    off_loop = asyncio.Event()
+    inline_run = server.body_reader.run
+
+    async def run(size, fn, *args, **kw):
+        if size > INLINE_PARSE_BYTES:
+            queued.append(fn.__name__)
+            off_loop.set()
+        try:
+            return await inline_run(size, fn, *args, **kw)
+        finally:
+            if size > INLINE_PARSE_BYTES:
+                queued.remove(fn.__name__)
+
+    server.body_reader.run = run
+    holding, release = threading.Event(), threading.Event()
+    server._parse_pool.submit(lambda: (holding.set(), release.wait(600)))
+    runner = web.AppRunner(server.app(), **SERVER_KWARGS)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    big_body = {"input_ids": [1, 2, 3, 4], "stream": True, "return_logprob": True, "top_logprobs_num": 20,
+                "sampling_params": {"n": ROWS - RESERVE, "max_new_tokens": 400, "ignore_eos": True}}
+    small_body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": SMALL_TOKENS, "ignore_eos": True,
+                                                                "temperature": 0}}
+    try:
+        async with ClientSession() as http:
+            async def big() -> None:
+                async with http.post(url + "/generate", json=big_body) as r:
+                    assert r.status == 200
+                    async for _ in r.content.iter_any():
+                        pass
+
+            async def small() -> dict:
+                async with http.post(url + "/generate", json=small_body) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json()
+
+            big_task = asyncio.create_task(big())
+            await asyncio.wait_for(off_loop.wait(), 300)  # the big stream's first chunk is queued for the parse thread
+            assert holding.is_set() and queued == ["_chunks"], queued
+            answers = await asyncio.wait_for(asyncio.gather(*[small() for _ in range(8)]), 300)
+            assert [len(a["output_ids"]) for a in answers] == [SMALL_TOKENS] * 8
+            assert queued == ["_chunks"] and not release.is_set(), "the big request's chunk left the queue meanwhile"
+            release.set()
+            big_task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await big_task
+    finally:
+        release.set()
+        await runner.cleanup()

@@ -7,7 +7,7 @@ servers of ``asyncrl train``. A port found free can be taken by someone else bef
 again; callers that can retry do.
 
 The HTTP servers of asyncrl that take request bodies (the rollout server, the agent sessions
-app) share three guards (issue #31 items 2 and 3): :data:`SERVER_KWARGS` (aiohttp never inflates
+app, the env server, the reward-model server) share three guards (issue #31 items 2 and 3): :data:`SERVER_KWARGS` (aiohttp never inflates
 a compressed body and never lingers to read the rest of a body its handler refused),
 :func:`content_encoding_refusal` (any ``Content-Encoding`` but ``identity`` is a 415 before auth
 and before a byte of the body is read) and :func:`header_bytes` (a credential header with

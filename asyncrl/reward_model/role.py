@@ -36,7 +36,7 @@ async def run_reward_model_server(cfg: Any, stop: asyncio.Event | None = None,
     if rm.path is None:
         raise ValueError("reward.model.path is not set: give the reward model's directory "
                          "(--reward.model.path DIR, an AutoModelForSequenceClassification checkpoint)")
-    from asyncrl.core.net import free_port
+    from asyncrl.core.net import SERVER_KWARGS, free_port
     from asyncrl.core.serving import serve_until_stopped, stop_on_signals
     from asyncrl.metrics import role_registry
     from asyncrl.models import resolve_model_path
@@ -55,7 +55,8 @@ async def run_reward_model_server(cfg: Any, stop: asyncio.Event | None = None,
         banner=f"serving {path} ({server.device}) on http://{opts.host}:{opts.port} (POST /score, /health, /metrics; "
                f"batches of <= {opts.max_batch_size} texts, {opts.batch_wait_ms:g} ms wait)",
         left=lambda: f"{server.batcher.pending if server.batcher else 0} texts left after "
-                     f"reward.model.drain_timeout_seconds={opts.drain_timeout_seconds:g}")
+                     f"reward.model.drain_timeout_seconds={opts.drain_timeout_seconds:g}",
+        runner_kwargs=SERVER_KWARGS)
 
 
 def main(argv: list[str]) -> int:

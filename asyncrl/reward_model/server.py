@@ -5,7 +5,8 @@ Endpoints (aiohttp):
 * ``POST /score`` — body ``{"texts": ["...", ...]}`` (:func:`score_request_model`: 1 to
   ``reward.model.max_texts_per_request`` strings of at most ``reward.model.max_chars``
   characters, nothing else); answer ``{"scores": [float, ...], "model": NAME}``, one raw score
-  per text in order. 400 ``{"error": {"message": ...}}`` names what to fix; 401
+  per text in order. 400 ``{"error": {"message": ...}}`` names what to fix; 415 for a compressed
+  body (any ``Content-Encoding`` but ``identity``, refused before auth and never inflated); 401
   ``{"error": "Unauthorized"}`` without the bearer token when one is required (the rollout
   server's scheme: ``Authorization: Bearer <security.api_key>`` or ``x-api-key``); 503 while
   draining; 500 when the forward pass fails on one of the request's texts.
@@ -44,6 +45,8 @@ from typing import Annotated, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, create_model
+
+from asyncrl.core.net import content_encoding_refusal, header_bytes
 
 __all__ = ["RewardModelOptions", "RewardModelServer", "DynamicBatcher", "score_request_model", "load_reward_model"]
 
@@ -334,14 +337,35 @@ class RewardModelServer:
 
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """``Authorization: Bearer <key>`` (or ``x-api-key``) on every path but ``/health`` and ``/metrics``."""
+        """The shared guards of asyncrl's servers (:mod:`asyncrl.core.net`), before a byte of the body is read:
+        a ``Content-Encoding`` other than ``identity`` is a 415 naming it; then ``Authorization: Bearer
+        <key>`` (or ``x-api-key``) on every path but ``/health`` and ``/metrics``: 401 without the key,
+        400 naming the header when it holds non-ASCII characters. A refused request's connection is
+        closed, never lingered on to read its body (:data:`asyncrl.core.net.SERVER_KWARGS`)."""
+        refusal = content_encoding_refusal(request.headers)
+        if refusal is not None:
+            self._count("bad_request")
+            resp = self._bad(refusal, 415)
+            resp.force_close()
+            return resp
         key = self.opts.api_key
         if key is not None and request.path not in _OPEN_PATHS:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            token = token if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-            if not token or not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+            header = "Authorization" if scheme.lower() == "bearer" else "x-api-key"
+            token = token if header == "Authorization" else request.headers.get("x-api-key", "")
+            given = header_bytes(token)
+            if given is None:
+                self._count("bad_request")
+                resp = self._bad(f"the {header} header holds non-ASCII characters: send the API key as it was "
+                                 "given (ASCII)")
+                resp.force_close()
+                return resp
+            if not given or not hmac.compare_digest(given, key.get_secret_value().encode()):
                 self._count("unauthorized")
-                return web.json_response({"error": "Unauthorized"}, status=401)
+                resp = web.json_response({"error": "Unauthorized"}, status=401)
+                if request.body_exists:
+                    resp.force_close()
+                return resp
         return await handler(request)
 
     def _count(self, result: str, seconds: float | None = None) -> None:
