@@ -178,8 +178,8 @@ def run_http(a: argparse.Namespace) -> dict:
     model = a.model or str(make_random_model(build_tiny_model(tmp / "tiny"), tmp / "varied", seed=1))
     body = maximal(a.rows, a.reserve, a.cost)
     common = ["--max-running-requests", str(a.rows), "--fair-reserve-rows", str(a.reserve), "--max-request-cost", str(a.cost)]
-    servers = {"fair": start_embedded_server(model, *common, threads=a.threads, log_path=tmp / "fair.log",
-                                             ready_timeout_seconds=600),
+    servers = {"fair": start_embedded_server(model, *common, "--fair-slowdown", str(a.fair_slowdown), threads=a.threads,
+                                             log_path=tmp / "fair.log", ready_timeout_seconds=600),
                "off": start_embedded_server(model, *common, "--fair-slowdown", "1e9", threads=a.threads,
                                             log_path=tmp / "off.log", ready_timeout_seconds=600)}
     rounds: dict[str, list[dict]] = {k: [] for k in servers}
@@ -214,6 +214,7 @@ def run_http(a: argparse.Namespace) -> dict:
                          "beside_median_s": statistics.median(x for r in rs for x in r["beside"]),
                          "alone_median_s": statistics.median(r["alone"] for r in rs)}
     return {"big_request": body, "small_request": SMALL, "rows": a.rows, "reserve": a.reserve, "cost": a.cost,
+            "fair_slowdown": a.fair_slowdown,
             "threads": a.threads, "max_starved": a.max_starved, "loadavg_end": os.getloadavg(), "model": record_path(a.model) if a.model else "tiny (random, seed 1)",
             "summary": summary, "rounds": rounds}
 
@@ -264,7 +265,7 @@ def run_engine(a: argparse.Namespace) -> dict:
     path = a.model or str(make_random_model(build_tiny_model(tmp / "tiny"), tmp / "varied", seed=1))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = {}
-    for name, slowdown in (("fair", 2.0), ("off", float("inf"))):
+    for name, slowdown in (("fair", a.fair_slowdown), ("off", float("inf"))):
         eng = Engine(model, None, context_len=1024, max_batch_size=64, threads=a.threads, fair_slowdown=slowdown).start()
         try:
             _engine_phase(eng, False, 400)  # warm
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cost", type=int, default=1 << 20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fair-slowdown", type=float, default=2.0, help="F of the fair server (the server's default: 2)")
     p.add_argument("--max-starved", type=float, default=0.1,
                    help="a repeat is clean when no thread waited in the run queue for more than this share of a phase")
     p.add_argument("--calibrate", action="store_true", help="fit the step cost model instead")
