@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 from asyncrl.agents import Episode
 
@@ -19,6 +20,22 @@ async def three_turns(task, model, env):
         if turn < 2:
             await model.observe(FEEDBACK[turn], role="user")
     return Episode(n / 100.0, "env_done", {"tokens": float(n)})
+
+
+def text_digest(texts) -> float:
+    """A reward that depends on every character of every call's text: sum of crc32(text) mod 997, / 1e4."""
+    return sum(zlib.crc32(t.encode()) % 997 for t in texts) / 1e4
+
+
+async def three_turns_text(task, model, env):
+    """:func:`three_turns` whose reward is :func:`text_digest` of the calls' texts (what a verifier reads)."""
+    texts = []
+    for turn in range(3):
+        out = await model.generate(max_tokens=6)
+        texts.append(out.text)
+        if turn < 2:
+            await model.observe(FEEDBACK[turn], role="user")
+    return Episode(text_digest(texts), "env_done", {})
 
 
 async def with_tool(task, model, env):

@@ -192,6 +192,27 @@ async def test_budget_interrupted_episodes_resume_without_regenerating(redis_url
         assert (await buf.stats())["counters"].get("idle_resumes", 0) >= 1
 
 
+async def test_budget_parked_episodes_are_scored_on_their_whole_calls(redis_url, server, tokenizer):
+    """M = 4 < a call's 6 tokens: every call is parked mid-way and continued; the workflow's reward,
+    computed from each call's text, equals the same function of the recorded calls (a resumed call's
+    text is the whole call, not the part after the park)."""
+    async with await ReplayBuffer.open(redis_url, "ep2t", _settings(max_budget=4)) as buf:
+        await buf.feed([PromptGroup("g0", _prompt(tokenizer, "digest"), {}, 2)], 0)
+        w = _worker(buf, server.url, tokenizer, "agent_workflows:three_turns_text")
+        await _run_until(w, _ready(buf, 1))
+        await w.client.close()
+        _, samples = await buf.get_group("g0")
+        parked_mid_call = 0
+        for s in samples:
+            _, calls = episode_layout(s.segments, len(s.response_ids))
+            assert len(calls) == 3 and s.num_resumes >= 1
+            texts = [tokenizer.decode(s.response_ids[a:b], skip_special_tokens=True) for a, b in calls]
+            assert s.reward == pytest.approx(agent_workflows.text_digest(texts), abs=1e-9)
+            parked_mid_call += sum(1 for a, b in calls if any(seg.finish_reason == "budget" and a < seg.end < b
+                                                              for seg in s.segments))
+        assert parked_mid_call > 0, "no call was parked in its middle: the test proves nothing"
+
+
 async def test_tools_failures_are_observations(redis_url, server, tokenizer):
     async with await ReplayBuffer.open(redis_url, "ep3", _settings()) as buf:
         await buf.feed([PromptGroup("g0", _prompt(tokenizer, "tool"), {}, 2)], 0)
