@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import sys
@@ -48,7 +47,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncrl.core.aio import wait_event
-from asyncrl.core.net import SERVER_KWARGS, content_encoding_refusal, header_bytes
+from asyncrl.core.net import SERVER_KWARGS, content_encoding_refusal, key_matches, presented_key
 from rollout_server.engine import Engine
 from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
@@ -232,17 +231,13 @@ class RolloutHTTPServer(WeightEndpoints):
             return resp
         key = self.opts.api_key
         if key and request.method != "OPTIONS" and not request.path.startswith(_OPEN_PATHS):
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            header = "Authorization" if scheme.lower() == "bearer" else "x-api-key"
-            token = token.strip() if header == "Authorization" else request.headers.get("x-api-key", "")
-            raw = header_bytes(token)
+            header, raw = presented_key(request.headers)
             if raw is None:
                 resp = error_response(f"the {header} header holds non-ASCII characters: send the API key as it was "
                                       "given (ASCII)", 400)
                 resp.force_close()
                 return resp
-            if not raw or not hmac.compare_digest(raw, key.encode()):
+            if not key_matches(raw, key):
                 resp = web.json_response({"error": "Unauthorized"}, status=401)
                 if request.body_exists:
                     resp.force_close()

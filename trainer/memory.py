@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 __all__ = ["fix_mmap_threshold", "malloc_stats", "MallocStats"]
@@ -47,6 +48,7 @@ class MallocStats(ctypes.Structure):
                  "keepcost")]
 
 
+@functools.lru_cache(maxsize=1)
 def _glibc() -> ctypes.CDLL | None:
     """The process's glibc, or None on another C library."""
     try:

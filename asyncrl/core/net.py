@@ -16,6 +16,7 @@ characters no client sends is told apart from a wrong key, never a 500).
 
 from __future__ import annotations
 
+import hmac
 import socket
 from collections.abc import Mapping
 
@@ -53,6 +54,24 @@ def header_bytes(value: str) -> bytes | None:
         return value.encode("ascii")
     except UnicodeEncodeError:
         return None
+
+
+def presented_key(headers: Mapping[str, str]) -> tuple[str, bytes | None]:
+    """The API key a request presents: ``Authorization: Bearer <key>``, else the ``x-api-key`` header.
+
+    Returns:
+        ``(header, key)``: the header's name (for an error message) and the key as bytes, ``b""``
+        when none is given, None when it holds a non-ASCII character (:func:`header_bytes`).
+    """
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return "Authorization", header_bytes(token.strip())
+    return "x-api-key", header_bytes(headers.get("x-api-key", ""))
+
+
+def key_matches(given: bytes | None, key: str) -> bool:
+    """True when ``given`` (from :func:`presented_key`) is non-empty and equals ``key`` (constant time)."""
+    return bool(given) and hmac.compare_digest(given, key.encode())
 
 
 class PortRangeError(RuntimeError):

@@ -33,7 +33,6 @@ server (:class:`asyncrl.env_server.client.EnvServerClient`), and the episodes go
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,7 @@ from typing import Any, Callable
 from aiohttp import web
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from asyncrl.core.net import content_encoding_refusal, header_bytes
+from asyncrl.core.net import content_encoding_refusal, key_matches, presented_key
 from asyncrl.env_server.latency import LatencyModel
 from asyncrl.env_server.schemas import (
     MAX_RESULT_CHARS,
@@ -151,10 +150,8 @@ class EnvServer:
             return self._error(refusal, 415)
         key = self.opts.api_key
         if key is not None:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            token = token if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-            given = header_bytes(token)
-            if not token or given is None or not hmac.compare_digest(given, key.get_secret_value().encode()):
+            _, given = presented_key(request.headers)
+            if not key_matches(given, key.get_secret_value()):
                 if tool in self.tools:
                     self._count(tool, "unauthorized")
                 return web.json_response({"error": {"message": "Unauthorized"}}, status=401)

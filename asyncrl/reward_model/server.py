@@ -36,7 +36,6 @@ already queued are scored and answered, then the process exits — within
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +45,7 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, create_model
 
-from asyncrl.core.net import content_encoding_refusal, header_bytes
+from asyncrl.core.net import content_encoding_refusal, key_matches, presented_key
 
 __all__ = ["RewardModelOptions", "RewardModelServer", "DynamicBatcher", "score_request_model", "load_reward_model"]
 
@@ -350,17 +349,14 @@ class RewardModelServer:
             return resp
         key = self.opts.api_key
         if key is not None and request.path not in _OPEN_PATHS:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            header = "Authorization" if scheme.lower() == "bearer" else "x-api-key"
-            token = token if header == "Authorization" else request.headers.get("x-api-key", "")
-            given = header_bytes(token)
+            header, given = presented_key(request.headers)
             if given is None:
                 self._count("bad_request")
                 resp = self._bad(f"the {header} header holds non-ASCII characters: send the API key as it was "
                                  "given (ASCII)")
                 resp.force_close()
                 return resp
-            if not given or not hmac.compare_digest(given, key.get_secret_value().encode()):
+            if not key_matches(given, key.get_secret_value()):
                 self._count("unauthorized")
                 resp = web.json_response({"error": "Unauthorized"}, status=401)
                 if request.body_exists:
