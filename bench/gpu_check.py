@@ -433,6 +433,8 @@ def gpu_test_files() -> list[str]:
 
 def _gpu_tests_cmd(ctx: Ctx) -> list[str]:
     return _py(ctx, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+               # per-test times in the log, and the stacks of a test that hangs
+               "--durations=0", "-o", "faulthandler_timeout=60",
                f"--junitxml={ctx.work_dir / 'gpu_tests.xml'}", *gpu_test_files())
 
 
@@ -483,14 +485,14 @@ STAGES: list[Stage] = [
           "(bench/rollout_bench.py)", 150,
           ["cuda", "stage:model", "module:transformers", "module:aiohttp", "module:pydantic"], command=_decode_cmd,
           collect=_decode_collect),
-    Stage("trainer", "trainer tokens/s, MFU, weight publish + load (bench/trainer_bench.py --device cuda)", 120,
+    Stage("trainer", "trainer tokens/s, MFU, weight publish + load (bench/trainer_bench.py --device cuda)", 75,
           ["cuda", "stage:model", "module:deepspeed", "module:transformers", "module:pydantic"], command=_trainer_cmd,
           collect=_trainer_collect),
-    Stage("main_job", "asyncrl train, configs/smollm2_arith.yaml, --main-job-steps steps (20 by default), trainer and engine on GPU 0", 240,
+    Stage("main_job", "asyncrl train, configs/smollm2_arith.yaml, --main-job-steps steps (20 by default), trainer and engine on GPU 0", 210,
           ["cuda", "stage:model", "redis", "module:deepspeed", "module:aiohttp", "module:redis",
            "module:pydantic_settings", "module:math_verify", "module:psutil"],
           command=_main_job_cmd, env=_main_job_env, collect=_main_job_collect),
-    Stage("gpu_tests", "pytest -m gpu (tests marked gpu)", 90, ["cuda", "module:pytest", "module:pytest_asyncio"],
+    Stage("gpu_tests", "pytest -m gpu (tests marked gpu)", 150, ["cuda", "module:pytest", "module:pytest_asyncio"],
           command=_gpu_tests_cmd, collect=_gpu_tests_collect, ok_returncodes=(0, 5)),
     Stage("sglang", "is SGLang importable, which version", 15, ["module:sglang"], command=_sglang_cmd,
           collect=_sglang_collect),
