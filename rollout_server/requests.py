@@ -273,16 +273,18 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 def response_object(
     s: EngineSample, snap: tuple, start: int, final: bool, incremental: bool, *, with_text: bool,
-    current_version: str, text_prev: str = "", text_now: str = "",
+    current_version: str, text_prev: str = "", text_now: str = "", spliced: bool = False,
 ) -> dict:
     """One response object (SGLang ``_handle_batch_output`` shape) for tokens ``[start, n)``.
 
     ``text_now`` is the decoded output so far; in incremental mode ``text`` is its part after
     ``text_prev`` (what earlier chunks carried). ``with_text``: the server has a tokenizer (the
-    object carries ``text``); ``current_version``: the engine's weight version now.
+    object carries ``text``); ``current_version``: the engine's weight version now. ``spliced``:
+    the per-token arrays (``output_ids``, ``output_token_logprobs``, ``output_top_logprobs``) are
+    placeholders that :meth:`CumulativeArrays.chunk` replaces with their cached JSON text.
     """
     n, fin = snap
-    ids = s.output_ids[:n]
+    ids = _SPLICE["output_ids"] if spliced else s.output_ids[:n]
     meta: dict[str, Any] = {
         "id": s.rid,
         "finish_reason": fin,
@@ -298,22 +300,102 @@ def response_object(
     if final:
         meta["e2e_latency"] = (s.finished_time or time.time()) - s.created_time
     if s.return_logprob:
-        lps = s.output_logprobs[:n]
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps[start:], ids[start:])]
+        meta["output_token_logprobs"] = (_SPLICE["output_token_logprobs"] if spliced
+                                         else _token_logprobs(s.output_logprobs[start:n], ids[start:]))
         meta["output_token_logprobs_length"] = n - start
         meta["input_token_logprobs"] = (s.input_token_logprobs or []) if (start == 0 or not incremental) else []
         if s.top_logprobs_num:
-            meta["output_top_logprobs"] = [
-                [[lp, t, None] for lp, t in (row or [])] for row in s.output_top_logprobs[start:n]
-            ]
+            meta["output_top_logprobs"] = (_SPLICE["output_top_logprobs"] if spliced
+                                           else _top_logprobs(s.output_top_logprobs[start:n]))
     if incremental:
         text = text_now[len(text_prev):] if text_now.startswith(text_prev) else ""
     else:
         text = text_now
-    out: dict[str, Any] = {"output_ids": ids[start:], "meta_info": meta}
+    out: dict[str, Any] = {"output_ids": ids if spliced else ids[start:], "meta_info": meta}
     if with_text:
         out = {"text": text, **out}
     return out
+
+
+def _token_logprobs(lps: list[float], ids: list[int]) -> list[list]:
+    """SGLang's ``[logprob, token id, null]`` triples."""
+    return [[lp, t, None] for lp, t in zip(lps, ids)]
+
+
+def _top_logprobs(rows: list) -> list[list[list]]:
+    """Per token, its top logprobs as ``[logprob, token id, null]`` triples (a missing row: ``[]``)."""
+    return [[[lp, t, None] for lp, t in (row or [])] for row in rows]
+
+
+#: placeholders for the per-token arrays of a spliced response object (:class:`CumulativeArrays`);
+#: the NUL bytes and the per-process nonce keep generated text from ever matching one
+_SPLICE_NONCE = uuid.uuid4().hex
+_SPLICE = {k: f"\x00asyncrl-splice-{_SPLICE_NONCE}-{k}\x00"
+           for k in ("output_ids", "output_token_logprobs", "output_top_logprobs")}
+_SPLICE_JSON = {k: json.dumps(v) for k, v in _SPLICE.items()}
+
+
+class CumulativeArrays:
+    """The JSON text, so far, of one sample's per-token arrays in a cumulative stream.
+
+    A cumulative SSE chunk resends the whole output (SGLang's default streaming mode). Built from
+    Python objects each time, a maximal request's stream (56 samples x 851 tokens x 20 top
+    logprobs) cost 8.5x the CPU of its final response, under the GIL the engine thread needs
+    (issue 31 item 1). Here each token is serialised once: :meth:`chunk` serialises the tokens
+    added since the last chunk, appends their text to the cache, and splices the cached arrays
+    into the chunk's object, so a stream's serialising work is linear in its output and only the
+    copying of bytes grows with the number of chunks. The bytes are those of
+    ``dumps(response_object(..., incremental=False))``: same keys, order and separators, a
+    non-finite logprob as ``null`` (tested against it).
+
+    Memory: about the size of the final response per sample, held until the stream ends.
+    """
+
+    __slots__ = ("n", "ids", "lps", "tops")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.ids = self.lps = self.tops = ""
+
+    def _extend(self, s: EngineSample, n: int) -> None:
+        if n < self.n:  # output never shrinks (append-only); rebuild rather than trust a stale cache
+            self.__init__()
+        a = self.n
+        if n == a:
+            return
+        new_ids = s.output_ids[a:n]
+        self.ids = _append(self.ids, dumps(new_ids))
+        if s.return_logprob:
+            self.lps = _append(self.lps, dumps(_token_logprobs(s.output_logprobs[a:n], new_ids)))
+            if s.top_logprobs_num:
+                self.tops = _append(self.tops, dumps(_top_logprobs(s.output_top_logprobs[a:n])))
+        self.n = n
+
+    def chunk(self, s: EngineSample, snap: tuple, *, with_text: bool, current_version: str, text_now: str = "",
+              extra: dict | None = None) -> str:
+        """The JSON of the cumulative response object of ``s`` at ``snap`` = (n, finish), with
+        ``extra`` keys (e.g. ``index``) added at its end, as ``dumps`` would write them."""
+        n, fin = snap
+        self._extend(s, n)
+        out = response_object(s, snap, 0, final=fin is not None, incremental=False, with_text=with_text,
+                              current_version=current_version, text_now=text_now, spliced=True)
+        if extra:
+            out.update(extra)
+        text = dumps(out)
+        # last placeholder first: each search then crosses only the small, unspliced part
+        if s.return_logprob:
+            if s.top_logprobs_num:
+                text = text.replace(_SPLICE_JSON["output_top_logprobs"], "[" + self.tops + "]", 1)
+            text = text.replace(_SPLICE_JSON["output_token_logprobs"], "[" + self.lps + "]", 1)
+        return text.replace(_SPLICE_JSON["output_ids"], "[" + self.ids + "]", 1)
+
+
+def _append(prefix: str, array_json: str) -> str:
+    """``prefix`` (the inside of a JSON array) extended by the elements of ``array_json`` (a JSON array)."""
+    inner = array_json[1:-1]
+    if not inner:
+        return prefix
+    return prefix + "," + inner if prefix else inner
 
 def decode_output(tokenizer: Any, s: EngineSample, ids: list[int], fin: dict | None) -> str:
     """The text of output ``ids``, with a matched stop token or stop string trimmed unless ``no_stop_trim``."""

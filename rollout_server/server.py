@@ -52,6 +52,7 @@ from rollout_server.engine import Engine
 from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
 from rollout_server.requests import (
+    CumulativeArrays,
     GenerateLimits,
     IncrementalDetokenizer,
     decode_output,
@@ -334,6 +335,8 @@ class RolloutHTTPServer(WeightEndpoints):
         sent = {id(s): 0 for s in samples}
         text_sent = {id(s): "" for s in samples}
         detok = {id(s): IncrementalDetokenizer(self._tokenizer, s.params) for s in samples} if self._tokenizer else {}
+        # a cumulative chunk resends every token: each is serialised once, then its JSON text is reused
+        arrays = {} if incremental else {id(s): CumulativeArrays() for s in samples}
         done: set[int] = set()
         multi = len(samples) > 1
         while len(done) < len(samples):
@@ -357,32 +360,40 @@ class RolloutHTTPServer(WeightEndpoints):
             if due:  # big chunks are built and serialised off the event loop
                 size = _output_bytes([s for s, _, _ in due])
                 await resp.write(await self.body_reader.run(size, self._chunks, due, sent, text_sent, detok, done,
-                                                            incremental, multi))
+                                                            arrays, multi))
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    def _chunks(self, due: list, sent: dict, text_sent: dict, detok: dict, done: set, incremental: bool,
+    def _chunks(self, due: list, sent: dict, text_sent: dict, detok: dict, done: set, arrays: dict,
                 multi: bool) -> bytes:
-        """The SSE bytes of one wake-up of a stream: a chunk per sample in ``due`` ((sample, n, finish) triples)."""
+        """The SSE bytes of one wake-up of a stream: a chunk per sample in ``due`` ((sample, n, finish)
+        triples). ``arrays``: per sample, the :class:`CumulativeArrays` of a cumulative stream (empty
+        for an incremental one)."""
         chunks = []
+        with_text, version = self._tokenizer is not None, self.engine.weight_version
         for s, n, fin in due:
-            start = sent[id(s)] if incremental else 0
             text_now = ""
-            if self._tokenizer is not None:
+            if with_text:
                 ids = s.output_ids[:n]
                 text_now = decode_output(self._tokenizer, s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
-            out = response_object(s, (n, fin), start, final=fin is not None, incremental=incremental,
-                                  with_text=self._tokenizer is not None, current_version=self.engine.weight_version,
-                                  text_prev=text_sent[id(s)], text_now=text_now)
-            text_sent[id(s)] = text_now
-            if multi:
-                out["index"] = s.index
-            sent[id(s)] = n
+            start, text_prev = sent[id(s)], text_sent[id(s)]
+            sent[id(s)], text_sent[id(s)] = n, text_now
             if fin is not None:
                 done.add(id(s))
                 if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
-                    out = {"error": {"message": fin.get("message", "engine error")}}
-            chunks.append(b"data: " + dumps(out).encode() + b"\n\n")
+                    chunks.append(b"data: " + dumps({"error": {"message": fin.get("message", "engine error")}}).encode()
+                                  + b"\n\n")
+                    continue
+            extra = {"index": s.index} if multi else None
+            if arrays:  # cumulative: every token so far, each serialised once (CumulativeArrays)
+                text = arrays[id(s)].chunk(s, (n, fin), with_text=with_text, current_version=version,
+                                           text_now=text_now, extra=extra)
+            else:  # incremental: the tokens since the last chunk
+                out = response_object(s, (n, fin), start, final=fin is not None, incremental=True,
+                                      with_text=with_text, current_version=version, text_prev=text_prev,
+                                      text_now=text_now)
+                text = dumps({**out, **extra} if extra else out)
+            chunks.append(b"data: " + text.encode() + b"\n\n")
         return b"".join(chunks)
 
     # -- abort / pause ------------------------------------------------------------------------------
