@@ -108,7 +108,7 @@ def main() -> int:
             name = f"{backend}:{size}"
             samples: list = []
             load_before = os.getloadavg()[0]
-            r = evaluate_problems(model, tok, problems, system_prompt=cfg.data.system_prompt,
+            r = evaluate_problems(model, tok, problems, system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
                                   response_prefix=cfg.data.response_prefix, temperature=temperature,
                                   max_new_tokens=max_new, seed=args.seed, batch_size=size, samples=samples,
                                   backend=backend, task=cfg.data.task, model_name=cfg.model.path)

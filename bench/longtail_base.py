@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": record_path(cfg.model.path),
         "chain": cfg.data.chain.model_dump(),
         "system_prompt": cfg.data.system_prompt,
+        "few_shot": [ex.model_dump() for ex in cfg.data.few_shot],
         "response_prefix": cfg.data.response_prefix,
         "heldout_percent": cfg.data.heldout_percent,
         "n": res.n, "correct": res.correct, "accuracy": round(res.accuracy, 4),

@@ -20,9 +20,8 @@ response tokens, the variant's messages, and a few responses per variant; the CP
 the 1-minute load average (the machine may be shared: seconds are not a speed claim).
 
 The few-shot variants render the worked examples as user/assistant turns with the tokenizer's
-chat template; asyncrl's prompt rendering (``asyncrl.tasks.tasks.render_prompt``) has a system
-message and the problem only, so a few-shot variant that wins needs that support before a
-config can use it.
+chat template, as ``data.few_shot`` does in training and evaluation (``asyncrl.tasks.tasks.render_prompt``);
+``shots`` won the first comparison and is what configs/smollm2_longtail.yaml uses.
 
 Usage: ``python bench/longtail_prompts.py --variants base,long,two,shots,shots_long
 [--buckets 2:24,3:16,4-5:16,6-10:8] [--max_new_tokens 160] [--json out.json]``.

@@ -184,3 +184,25 @@ def test_smollm2_base_model_eval_small():
     assert r.n == 16 and len(samples) == 16
     assert r.mean_response_tokens > 2  # a real model says something
     assert any(s["extracted"] is not None for s in samples)
+
+
+def test_evaluation_renders_the_few_shot_turns_as_training_does(tiny, monkeypatch):
+    """The held-out evaluation generates from the prompt training renders (data.few_shot included)."""
+    import asyncrl.evaluation.evaluate as ev
+    from asyncrl.core.config import FewShotExample
+    from asyncrl.tasks.tasks import render_prompt
+
+    model, tok = tiny
+    shots = [FewShotExample(user="Add these numbers step by step: 1, 2", assistant="1 + 2 = 3\nAnswer: 3")]
+    seen = []
+
+    def record(model, tokenizer, prompts, **kw):
+        seen.extend(prompts)
+        return [([], False)] * len(prompts)
+
+    monkeypatch.setattr(ev, "_generate_engine", record)
+    problems = load_task(DataConfig(task="chain")).heldout(3)
+    evaluate_problems(model, tok, problems, system_prompt="Be brief.", temperature=0.0, max_new_tokens=4,
+                      few_shot=shots)
+    assert seen == [render_prompt(tok, p.text, "Be brief.", "", shots)[1] for p in problems]
+    assert all(seen[i] != render_prompt(tok, p.text, "Be brief.", "")[1] for i, p in enumerate(problems))

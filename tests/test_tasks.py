@@ -335,3 +335,57 @@ def test_stream_renders_the_prefix_after_the_generation_prompt(tokenizer):
     assert "response_prefix" not in TrainPromptStream(DataConfig(num_train_prompts=5), tokenizer).get(0).problem.metadata
     with pytest.raises(TaskError, match="uses {missing}"):
         TrainPromptStream(DataConfig(num_train_prompts=5, response_prefix="{missing}"), tokenizer).get(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# few-shot examples (data.few_shot): the chain job's prompt (configs/smollm2_longtail.yaml)
+
+
+SHOTS = [{"user": "Add these numbers step by step: 4, 2, 7", "assistant": "4 + 2 = 6\n6 + 7 = 13\nAnswer: 13"},
+         {"user": "Add these numbers step by step: 1, 1", "assistant": "1 + 1 = 2\nAnswer: 2"}]
+
+
+def test_few_shot_examples_are_chat_turns_of_every_training_prompt(tokenizer):
+    from asyncrl.core.config import FewShotExample
+
+    shots = [FewShotExample(**s) for s in SHOTS]
+    text, ids = render_prompt(tokenizer, "Add these numbers step by step: 9, 9", "Sys.", "9 + 9 =", shots)
+    order = ["Sys.", SHOTS[0]["user"], SHOTS[0]["assistant"], SHOTS[1]["user"], SHOTS[1]["assistant"], "9, 9"]
+    pos = [text.index(s) for s in order]
+    assert pos == sorted(pos), pos
+    # each example answer is an assistant turn of its own; the real problem opens a third one, prefilled
+    assert text.count("<|im_start|>assistant\n") == 3 and text.endswith("<|im_start|>assistant\n9 + 9 =")
+    assert text.count("<|im_end|>") == 6  # closed: the system turn, 2 x (user, assistant), the problem's user turn
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    data = DataConfig(task="chain", few_shot=SHOTS, system_prompt="Sys.", response_prefix="{first_step} =")
+    p = TrainPromptStream(data, tokenizer, seed=0).get(0)
+    prefix = p.problem.metadata["response_prefix"]
+    assert p.prompt_ids == render_prompt(tokenizer, p.problem.text, "Sys.", prefix, shots)[1]
+    assert p.prompt_ids != render_prompt(tokenizer, p.problem.text, "Sys.", prefix)[1]
+
+
+def test_few_shot_config_is_bounded_and_strict():
+    from asyncrl.core.config import ConfigError, load_config
+
+    assert load_config(overrides={"data": {"few_shot": SHOTS}}).data.few_shot[1].assistant.endswith("Answer: 2")
+    for bad, needle in (([{"user": "", "assistant": "x"}], "user"), ([{"user": "q"}], "assistant"),
+                        ([{"user": "q", "assistant": "a", "role": "system"}], "role"),
+                        ([SHOTS[0]] * 17, "few_shot"), ([{"user": "q" * 4001, "assistant": "a"}], "user")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(overrides={"data": {"few_shot": bad}})
+
+
+def test_longtail_config_examples_are_correct_worked_answers():
+    """The shipped examples teach the format the reward checks, with right sums."""
+    from pathlib import Path
+
+    from asyncrl.core.config import load_config
+    from asyncrl.tasks.rewards import check_answer
+
+    cfg = load_config(config_path=Path(__file__).parent.parent / "configs" / "smollm2_longtail.yaml")
+    assert len(cfg.data.few_shot) == 2
+    for ex in cfg.data.few_shot:
+        numbers = [int(x) for x in ex.user.rsplit(":", 1)[1].split(",")]
+        lines = ex.assistant.splitlines()
+        assert len(lines) == len(numbers)  # one line per addition, then the answer
+        assert check_answer(ex.assistant, str(sum(numbers))).correct

@@ -43,6 +43,7 @@ from asyncrl.core.config_sections import (  # noqa: F401  (re-exported)
     ChainConfig,
     BufferConfig,
     DataConfig,
+    FewShotExample,
     ModelConfig,
     MonitoringConfig,
     ResourcesConfig,

@@ -165,6 +165,16 @@ class SelectiveRolloutConfig(_Section):
     """A zero-variance group whose common (raw) reward is >= this is all-correct ("easy"), below it all-wrong ("hard"); 0.5 fits the 0/1 correctness reward (raise it above the format bonus with ``format_reward_weight``)."""
 
 
+class FewShotExample(_Section):
+    """One worked example, shown to the model as an earlier user turn and its assistant answer
+    (``data.few_shot[i]``), rendered by the tokenizer's chat template before the problem."""
+
+    user: str = Field(min_length=1, max_length=4000)
+    """The example's problem, as the task words its problems."""
+    assistant: str = Field(min_length=1, max_length=4000)
+    """The answer the model should imitate, in the format the reward checks."""
+
+
 class DataConfig(_Section):
     """Prompts and rewards (``data.*``)."""
 
@@ -186,6 +196,8 @@ class DataConfig(_Section):
     """Share of the problem space held out for evaluation, by a hash of the problem (a small problem space needs a larger share to hold ``num_heldout_prompts`` distinct problems)."""
     system_prompt: str | None = "Solve the problem. Put the final answer after 'Answer:'."
     """System message rendered with the tokenizer's chat template (None: no system message)."""
+    few_shot: list[FewShotExample] = Field(default_factory=list, max_length=16)
+    """Worked examples shown as earlier chat turns (after the system message, before the problem), the same for every prompt of training and evaluation: few-shot prompting. They are prompt tokens, never trained on. Empty: none. The long-tailed ``chain`` job uses two (configs/smollm2_longtail.yaml; chosen by bench/longtail_prompts.py, docs/tasks.md)."""
     response_prefix: str | None = None
     """Text that opens the assistant's turn after the chat template's generation prompt (an assistant prefill), formatted with the problem's metadata (``"{expression} ="`` for arithmetic; ``gold`` is not available). It is part of the prompt tokens, so it is never trained on; reward functions and evaluation see ``prefix + generated text``. None: no prefill."""
     reward: str = "math_verify"

@@ -154,7 +154,7 @@ async def _evaluate(model, tokenizer, problems, cfg, temperature, seed, batch_si
     for p in problems:
         prefix = render_response_prefix(cfg.data.response_prefix, p.metadata)
         meta = {**p.metadata, **({"response_prefix": prefix} if prefix else {})}
-        prompts.append((meta, render_prompt(tokenizer, p.text, cfg.data.system_prompt, prefix)[1]))
+        prompts.append((meta, render_prompt(tokenizer, p.text, cfg.data.system_prompt, prefix, cfg.data.few_shot)[1]))
     context_len = max(len(ids) for _, ids in prompts) + max_len + 1
 
     def factory(on_update):

@@ -272,6 +272,7 @@ def evaluate_problems(
     system_prompt: str | None,
     temperature: float,
     response_prefix: str | None = None,
+    few_shot: Sequence[Any] = (),
     max_new_tokens: int,
     seed: int = 0,
     batch_size: int = 128,
@@ -291,6 +292,7 @@ def evaluate_problems(
         system_prompt: system message for the chat template (``data.system_prompt``).
         response_prefix: assistant prefill template (``data.response_prefix``); the answer is
             checked on ``prefix + generated text``, as in training.
+        few_shot: worked examples rendered as earlier chat turns (``data.few_shot``).
         temperature: 0 for greedy decoding, > 0 for sampling with top_p = 1 and top_k off.
         max_new_tokens: response cap in tokens.
         seed: sampling seed (``hf``: ``torch.manual_seed`` before generation, reproducible for a
@@ -328,7 +330,7 @@ def evaluate_problems(
         model.eval()
     stop_ids = _stop_token_ids(model if backend != "server" else None, tokenizer)
     prefixes = [render_response_prefix(response_prefix, p.metadata) for p in problems]
-    prompts = [render_prompt(tokenizer, p.text, system_prompt, pre)[1] for p, pre in zip(problems, prefixes)]
+    prompts = [render_prompt(tokenizer, p.text, system_prompt, pre, few_shot)[1] for p, pre in zip(problems, prefixes)]
     if backend == "hf":
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         rows = _generate_hf(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
@@ -416,7 +418,7 @@ def evaluate(
     return [
         evaluate_problems(
             model, tokenizer, problems, system_prompt=data.system_prompt,
-            response_prefix=data.response_prefix, temperature=t,
+            response_prefix=data.response_prefix, few_shot=data.few_shot, temperature=t,
             max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, task=data.task,
             model_name=str(server_url or model_path), samples=samples, backend=backend, server_url=server_url,
         )

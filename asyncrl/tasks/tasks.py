@@ -31,7 +31,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from asyncrl.core.choices import FILE_TASKS
 from asyncrl.core.config import DataConfig
@@ -245,11 +245,14 @@ def render_response_prefix(template: str | None, metadata: dict[str, Any]) -> st
 
 
 def render_prompt(
-    tokenizer: Any, problem_text: str, system_prompt: str | None, response_prefix: str = ""
+    tokenizer: Any, problem_text: str, system_prompt: str | None, response_prefix: str = "",
+    few_shot: Sequence[Any] = (),
 ) -> tuple[str, list[int]]:
     """Render one problem with the tokenizer's chat template, ready for generation.
 
-    Messages: an optional system message, then the user message ``problem_text``; rendered with
+    Messages: an optional system message, then for each ``few_shot`` example (objects with
+    ``user`` and ``assistant``, as :class:`asyncrl.core.config.FewShotExample`) a user and an
+    assistant turn, then the user message ``problem_text``; rendered with
     ``add_generation_prompt=True``, followed by ``response_prefix`` (an assistant prefill, see
     :func:`render_response_prefix`), and tokenized without adding special tokens again (the
     template already holds them).
@@ -265,9 +268,10 @@ def render_prompt(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template: "
             "use an instruct model (its tokenizer_config.json must define chat_template)"
         )
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": problem_text}
-    ]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for ex in few_shot:
+        messages += [{"role": "user", "content": ex.user}, {"role": "assistant", "content": ex.assistant}]
+    messages.append({"role": "user", "content": problem_text})
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     text += response_prefix
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -327,7 +331,7 @@ class TrainPromptStream:
         if prefix:
             meta["response_prefix"] = prefix
         problem = Problem(base.text, base.gold, meta)
-        text, ids = render_prompt(self.tokenizer, problem.text, self.data.system_prompt, prefix)
+        text, ids = render_prompt(self.tokenizer, problem.text, self.data.system_prompt, prefix, self.data.few_shot)
         return Prompt(cursor=cursor, problem=problem, prompt_text=text, prompt_ids=ids)
 
     def iterate(self, start_cursor: int = 0) -> Iterator[Prompt]:
