@@ -31,10 +31,11 @@ pytestmark = pytest.mark.integration
 KEY = "probe-key"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 #: the server under test: 20 rows, 8 of them kept for requests of at most 8 samples, and a cost bound
-ROWS, RESERVE, COST = 20, 8, 40_000
-#: the largest request it admits: 12 samples x 151 tokens x (2 + 20) = 39,864 entries. It has more
+ROWS, RESERVE, COST = 20, 8, 160_000
+#: the largest request it admits: 12 samples x 606 tokens x (2 + 20) = 159,984 entries. It has more
 #: samples than the reserve, so it is a big request (a request of exactly ``RESERVE`` samples is not,
-#: and two of them may hold every row)
+#: and two of them may hold every row). Long enough to still be streaming when the small requests
+#: come: at 151 tokens it finished in 0.44 s once cumulative chunks stopped being rebuilt.
 MAXIMAL = {"input_ids": [1, 2, 3, 4], "stream": True, "return_logprob": True, "top_logprobs_num": 20,
            "sampling_params": {"n": ROWS - RESERVE, "max_new_tokens": COST // ((ROWS - RESERVE) * 22),
                                "ignore_eos": True, "temperature": 1.0}}
@@ -192,7 +193,7 @@ def test_cumulative_stream_costs_a_bounded_multiple_of_its_response(srv):
 
 
 def test_small_requests_never_wait_for_a_maximal_one(srv):
-    """Fairness: 8 small requests beside the largest admissible one (12 samples streaming 151
+    """Fairness: 8 small requests beside the largest admissible one (12 samples streaming 606
     tokens with 20 top logprobs each, a second one queued behind it) finish in less than half the
     big request's time: they do not wait for it (without the fair reserve the two big ones held
     every row and the small ones finished with the first)."""
