@@ -52,9 +52,7 @@ from rollout_server.engine import Engine
 from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.limits import RETRY_AFTER_SECONDS, BodyReader
 from rollout_server.requests import (
-    CumulativeArrays,
     GenerateLimits,
-    IncrementalDetokenizer,
     decode_output,
     dumps,
     error_response,
@@ -67,6 +65,7 @@ from rollout_server.requests import (
 from rollout_server.sampling import RequestError
 from rollout_server.schemas import AbortBody, ContinueBody, PauseBody, sampling_params_from_dict
 from rollout_server.server_metrics import EngineCollector, metric_model_name
+from rollout_server.streaming import SampleStream
 from rollout_server.server_options import ServerOptions, parse_args as _parse_args
 from rollout_server.weight_endpoints import WeightEndpoints, destroy_group
 
@@ -79,9 +78,6 @@ VERSION = "asyncrl-embedded-0.1.0"
 
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 _HEALTH_TIMEOUT_SECONDS = 20.0
-#: a cumulative stream's next chunk waits until its output grew by 1/this: a stream costs at most
-#: about ``this + 1`` times its final response, whatever its length (issue #31 item 1)
-CUMULATIVE_GROWTH = 8
 #: how often a request with no progress (queued, paused) checks whether its client is still there
 _DISCONNECT_POLL_SECONDS = 0.25
 
@@ -330,71 +326,26 @@ class RolloutHTTPServer(WeightEndpoints):
         linear in its length (``--cumulative-stream-entries``)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        incremental = self.opts.incremental_streaming_output
-        budget = self.limits.cumulative_stream_entries
-        sent = {id(s): 0 for s in samples}
-        text_sent = {id(s): "" for s in samples}
-        detok = {id(s): IncrementalDetokenizer(self._tokenizer, s.params) for s in samples} if self._tokenizer else {}
-        # a cumulative chunk resends every token: each is serialised once, then its JSON text is reused
-        arrays = {} if incremental else {id(s): CumulativeArrays() for s in samples}
-        done: set[int] = set()
         multi = len(samples) > 1
-        while len(done) < len(samples):
+        streams = [SampleStream(s, self._tokenizer, self.opts.incremental_streaming_output, multi) for s in samples]
+        while not all(st.done for st in streams):
             if _client_gone(request):
                 raise asyncio.CancelledError()
             if not await wait_event(waiter, _DISCONNECT_POLL_SECONDS):
                 continue
             waiter.clear()
-            due = []
-            for s in samples:
-                if id(s) in done:
-                    continue
-                n, fin = s.published
-                gap = s.params.stream_interval or self.opts.stream_interval
-                if not incremental:  # a cumulative chunk resends everything: space them by what they carry
-                    per_token = 1 + (s.top_logprobs_num if s.return_logprob else 0)
-                    gap = max(gap, -(-sent[id(s)] * per_token // budget), sent[id(s)] // CUMULATIVE_GROWTH)
-                if fin is None and (n == 0 or n - sent[id(s)] < gap):
-                    continue
-                due.append((s, n, fin))
+            due = [(st, snap) for st in streams
+                   if (snap := st.due(self.opts.stream_interval, self.limits.cumulative_stream_entries)) is not None]
             if due:  # big chunks are built and serialised off the event loop
-                size = _output_bytes([s for s, _, _ in due])
-                await resp.write(await self.body_reader.run(size, self._chunks, due, sent, text_sent, detok, done,
-                                                            arrays, multi))
+                size = _output_bytes([st.sample for st, _ in due])
+                await resp.write(await self.body_reader.run(size, self._chunks, due))
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    def _chunks(self, due: list, sent: dict, text_sent: dict, detok: dict, done: set, arrays: dict,
-                multi: bool) -> bytes:
-        """The SSE bytes of one wake-up of a stream: a chunk per sample in ``due`` ((sample, n, finish)
-        triples). ``arrays``: per sample, the :class:`CumulativeArrays` of a cumulative stream (empty
-        for an incremental one)."""
-        chunks = []
-        with_text, version = self._tokenizer is not None, self.engine.weight_version
-        for s, n, fin in due:
-            text_now = ""
-            if with_text:
-                ids = s.output_ids[:n]
-                text_now = decode_output(self._tokenizer, s, ids, fin) if fin is not None else detok[id(s)].feed(ids)
-            start, text_prev = sent[id(s)], text_sent[id(s)]
-            sent[id(s)], text_sent[id(s)] = n, text_now
-            if fin is not None:
-                done.add(id(s))
-                if fin.get("status_code") in (500, 503):  # engine failure: SGLang streams an error object
-                    chunks.append(b"data: " + dumps({"error": {"message": fin.get("message", "engine error")}}).encode()
-                                  + b"\n\n")
-                    continue
-            extra = {"index": s.index} if multi else None
-            if arrays:  # cumulative: every token so far, each serialised once (CumulativeArrays)
-                text = arrays[id(s)].chunk(s, (n, fin), with_text=with_text, current_version=version,
-                                           text_now=text_now, extra=extra)
-            else:  # incremental: the tokens since the last chunk
-                out = response_object(s, (n, fin), start, final=fin is not None, incremental=True,
-                                      with_text=with_text, current_version=version, text_prev=text_prev,
-                                      text_now=text_now)
-                text = dumps({**out, **extra} if extra else out)
-            chunks.append(b"data: " + text.encode() + b"\n\n")
-        return b"".join(chunks)
+    def _chunks(self, due: list) -> bytes:
+        """The SSE bytes of one wake-up of a stream: a chunk per ``(SampleStream, (n, finish))`` in ``due``."""
+        version = self.engine.weight_version
+        return b"".join(st.chunk(n, fin, version) for st, (n, fin) in due)
 
     # -- abort / pause ------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import rollout_server.requests as rq
 from rollout_server.engine_sample import EngineSample
 from rollout_server.requests import CumulativeArrays, dumps, response_object
 from rollout_server.sampling import SamplingParams
-from rollout_server.server import CUMULATIVE_GROWTH
+from rollout_server.streaming import CUMULATIVE_GROWTH
 from rollout_server.testing import start_embedded_server
 
 
