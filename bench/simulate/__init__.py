@@ -2,6 +2,8 @@
 
 ``python -m bench.simulate validate`` (from the repository root) prints predicted vs measured
 figures for the runs this repository measured on its 2-core machine; ``python -m bench.simulate
+agents`` does the same for the slow-tool agent's runs (multi-call episodes with tool latency);
+``python -m bench.simulate
 scaling`` prints the predicted asynchronous / synchronous speed-up for 8, 64 and 512 H100 GPUs;
 ``python -m bench.simulate run ...`` simulates one configuration; ``python -m bench.simulate doc
 --write`` renders the generated tables of docs/scaling.md into it. ``--json FILE`` writes the raw
@@ -13,10 +15,12 @@ Modules (``from bench.simulate import ...`` gets every public name of them):
 * the model: :mod:`~bench.simulate.hardware` (published GPU and model figures),
   :mod:`~bench.simulate.lengths` (response-length models), :mod:`~bench.simulate.components`
   (the engine's eq. 1 and the trainer's eq. 2), :mod:`~bench.simulate.buffer` (the port of the
-  Lua scripts) and :mod:`~bench.simulate.model` (servers, the event loop, ``simulate``);
+  Lua scripts), :mod:`~bench.simulate.agents` (multi-call agent episodes and tool latency) and
+  :mod:`~bench.simulate.model` (servers, the event loop, ``simulate``);
 * :mod:`~bench.simulate.calibration`: the inputs measured here, the GPU calibration and the
   configurations built from them;
-* :mod:`~bench.simulate.validation` (predicted vs measured) and :mod:`~bench.simulate.scaling`
+* :mod:`~bench.simulate.validation` and :mod:`~bench.simulate.agent_check` (predicted vs
+  measured: the main job and benchmark (b); the slow-tool agent) and :mod:`~bench.simulate.scaling`
   (the GPU predictions, the published results);
 * :mod:`~bench.simulate.tables` (the printed tables and docs/scaling.md's) and
   :mod:`~bench.simulate.cli` (the command line).
@@ -71,6 +75,12 @@ waits in the engine's queue, as SGLang's waiting queue). On a published version 
 partial output and are resumed later with the KV recomputed; ``in_place``: they keep their KV
 and continue under the new version), loads for ``load`` seconds and continues; a worker that
 claims while its engine is behind the clock loads first (``RolloutWorker._catch_up``).
+
+**Agent episodes** (``SimConfig.agent``, :mod:`~bench.simulate.agents`): a sample is a sequence of
+model calls separated by tool calls; at a tool call its request leaves the engine and waits the
+tool's latency holding its worker slot (the server counts as idle when only tool waits are in
+flight), then the next call is prefilled whole (no prefix cache across calls). Each episode's
+calls and observations are drawn from a run's own recorded episodes, by policy version.
 
 **Trainer** (``TrainerModel``): ``wait_batch`` polls ``next_batch`` every ``poll`` seconds; a
 step then takes ``forward_backward`` + ``optim`` + ``publish`` (+ ``checkpoint`` every
@@ -133,6 +143,8 @@ Only the standard library is imported.
 
 from __future__ import annotations
 
+from .agent_check import agent_validation, calculator_config
+from .agents import AgentModel, Episode, Episodes, ToolLatency, episodes_from_trace
 from .buffer import Buffer, Group, Sample, WorkItem
 from .calibration import (
     BENCH_B_PROMPT_TOKENS,
@@ -190,6 +202,7 @@ from .tables import doc_blocks, print_scaling, print_validation, read_blocks, wr
 from .validation import validation
 
 __all__ = [
+    "agent_validation", "calculator_config", "AgentModel", "Episode", "Episodes", "ToolLatency", "episodes_from_trace",
     "Buffer", "Group", "Sample", "WorkItem", "BENCH_B_PROMPT_TOKENS", "CPU_CHECKPOINT_EVERY", "CPU_CHECKPOINT_S",
     "CPU_DECODE_1T", "CPU_LOAD_S", "CPU_OPTIM_S", "CPU_PUBLISH_S", "CPU_TRAINER_TOK_S_2T", "GLOBAL_BATCH_GROUPS",
     "GPU_DECODE_COMPUTE_EFFICIENCY", "GPU_SYNC_OVERHEAD_S", "GPU_TRAIN_MFU", "MAIN_LENGTHS", "MAIN_MEASURED",

@@ -21,7 +21,7 @@ class Sample:
     """One sample's buffer state (the fields of ``sample:<gid>/<i>`` the scripts read)."""
 
     __slots__ = ("sid", "group", "idx", "target", "length", "status", "minv", "bver", "bused",
-                 "restarts", "resumes", "qtoken", "maxv")
+                 "restarts", "resumes", "qtoken", "maxv", "extra")
 
     def __init__(self, sid: int, group: "Group", idx: int, target: int):
         self.sid, self.group, self.idx, self.target = sid, group, idx, target
@@ -31,6 +31,7 @@ class Sample:
         self.bused = 0
         self.restarts = self.resumes = 0
         self.qtoken = 0
+        self.extra = 0  # tokens in the sequence the policy did not generate (an agent's observations)
 
 
 class Group:

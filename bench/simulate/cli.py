@@ -1,4 +1,4 @@
-"""``python -m bench.simulate validate | scaling | run | doc``: the simulator's command line (see ``--help``)."""
+"""``python -m bench.simulate validate | agents | scaling | run | doc``: the simulator's command line (see ``--help``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __doc__ as package_doc
+from .agent_check import agent_validation, extract_episodes, format_agent_validation
 from .calibration import GLOBAL_BATCH_GROUPS, WORKLOADS, gpu_config
 from .model import simulate
 from .scaling import scaling
@@ -41,12 +42,15 @@ def _doc(path: Path, write: bool, check: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``validate`` | ``scaling`` | ``run`` | ``doc`` (see ``--help``); returns the exit status."""
+    """``validate`` | ``agents`` | ``scaling`` | ``run`` | ``doc`` (see ``--help``); returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=package_doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="The model and its sources: the package docstring and docs/scaling.md.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="predicted vs measured for this machine's runs (docs/results.md, docs/rollout.md)")
+    g = sub.add_parser("agents", help="predicted vs measured for the slow-tool agent's runs (docs/results.md section G)")
+    g.add_argument("--extract", nargs="+", metavar="KEY=RUN_DIR", default=None,
+                   help="first add these runs' episodes (their trace/) to docs/bench/calculator_episodes.json")
     s = sub.add_parser("scaling", help="predicted async/sync speed-up on 8, 64, 512 H100s (7B model)")
     s.add_argument("--scales", type=int, nargs="+", default=[8, 64, 512])
     s.add_argument("--workloads", nargs="+", default=["long-tail", "short"], choices=sorted(WORKLOADS))
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = d.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="replace the tables in the page")
     mode.add_argument("--check", action="store_true", help="exit 1 when the page's tables differ from the code's")
-    for p in (v, s, r):
+    for p in (v, g, s, r):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", default=None, help="write the raw results to this file")
     a = ap.parse_args(argv)
@@ -78,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "validate":
         res = validation(seed=a.seed)
         print_validation(res)
+    elif a.cmd == "agents":
+        if a.extract:
+            try:
+                print("episodes of " + ", ".join(extract_episodes(a.extract)) + " written", file=sys.stderr)
+            except (ValueError, OSError) as exc:
+                print(f"python -m bench.simulate agents: {exc}", file=sys.stderr)
+                return 2
+        res = agent_validation(seed=a.seed)
+        print(format_agent_validation(res))
     elif a.cmd == "scaling":
         res = scaling(a.scales, a.workloads, seed=a.seed, quick=a.quick, groups=a.groups,
                       log=lambda m: print(m, file=sys.stderr, flush=True))

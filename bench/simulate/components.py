@@ -136,9 +136,9 @@ class TrainerModel:
         if self.tokens_per_second:
             tokens = 0
             for g in groups:
-                resp = sum(max(0, s.length - 1) for s in g.samples)
+                resp = sum(max(0, s.length - 1) + s.extra for s in g.samples)
                 tokens += resp + (prompt_tokens if self.share_prompts else prompt_tokens * len(g.samples))
             return self.overhead + tokens / self.tokens_per_second
         assert self.flops_per_second and self.model is not None, "a trainer needs a token rate or a FLOP rate"
-        flops = sum(self.model.train_flops(prompt_tokens + s.length) for g in groups for s in g.samples)
+        flops = sum(self.model.train_flops(prompt_tokens + s.length + s.extra) for g in groups for s in g.samples)
         return self.overhead + flops / self.flops_per_second

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .agents import AgentEvents
 from .buffer import Buffer, Group, WorkItem
 from .components import INF, EngineModel, TrainerModel
 from .lengths import FixedLength, LengthModel
@@ -31,9 +32,13 @@ def train_batch_groups(partial_percent: float, rollout_batch_size: int) -> int:
 
 
 class Req:
-    """One request running (or queued) on an engine: a segment of one sample."""
+    """One request running (or queued) on an engine: a segment of one sample.
 
-    __slots__ = ("item", "start", "end", "ver_offset", "ver", "credited", "ctx0", "seg_len", "finish")
+    An agent sample's segment runs in pieces separated by tool calls: ``stops`` are the tool
+    calls' positions in the segment, ``pos`` the tokens of it generated before this piece.
+    """
+
+    __slots__ = ("item", "start", "end", "ver_offset", "ver", "credited", "ctx0", "seg_len", "finish", "pos", "stops")
 
     def __init__(self, item: WorkItem, seg_len: int, finish: str):
         self.item = item
@@ -42,7 +47,8 @@ class Req:
         self.start = self.end = self.ver_offset = 0.0
         self.ver = 0
         self.credited: list[tuple[int, int]] = []
-        self.ctx0 = 0
+        self.ctx0 = self.pos = 0
+        self.stops: list[int] = []
 
 
 class Server:
@@ -56,6 +62,7 @@ class Server:
         self.updating = False
         self.running: dict[int, Req] = {}
         self.waiting: deque[Req] = deque()
+        self.tools: dict[int, Req] = {}  # agent segments waiting for their tool (worker slot held, no engine row)
         self.heap: list = []
         self.offset = 0.0
         self.t = 0.0
@@ -112,6 +119,7 @@ class SimConfig:
         steps: stop after this many train steps (0: run ``warmup + duration`` seconds).
         warmup_steps: with ``steps``, measure from the end of this step on.
         seed: random seed.
+        agent: an :class:`~bench.simulate.agents.AgentModel` (multi-call episodes with tool latency), or None.
     """
 
     name: str = "run"
@@ -140,6 +148,7 @@ class SimConfig:
     steps: int = 0
     warmup_steps: int = 0
     seed: int = 0
+    agent: Any = None
 
     @property
     def train_batch_groups(self) -> int:
@@ -205,7 +214,7 @@ class SimResult:
         return asdict(self)
 
 
-class Simulator:
+class Simulator(AgentEvents):
     """Discrete-event simulation of one SimConfig (see the package docstring of bench.simulate)."""
 
     def __init__(self, cfg: SimConfig):
@@ -224,6 +233,7 @@ class Simulator:
         self.trained: list[Group] = []
         self.snap0: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         self.hungry: set[int] = set()
+        self.agent_episodes: dict[tuple[int, int], Any] = {}
         self._rr = 0
         # trainer state
         self.step = 0
@@ -291,7 +301,10 @@ class Simulator:
                 continue
             break
         for r in finished:
-            self._finish(srv, r, r.seg_len, r.finish)
+            if r.stops:
+                self._tool_call(srv, r)
+            else:
+                self._finish(srv, r, r.seg_len, r.finish)
         self._start_waiting(srv)
         self._dispatch(srv)
         self._schedule(srv)
@@ -328,12 +341,12 @@ class Simulator:
             if s.status != "running":
                 continue
             r.start = r.ver_offset = srv.offset
-            r.end = srv.offset + r.seg_len
+            r.end = srv.offset + (r.stops[0] if r.stops else r.seg_len) - r.pos
             r.ver = srv.version
             srv.running[s.sid] = r
             srv.kv_base += r.ctx0 - r.start
             heapq.heappush(srv.heap, (r.end, s.group.gid * 4096 + s.idx, s.sid))
-            if s.length == 0 and eng.shared_prefix:
+            if s.length == 0 and r.pos == 0 and eng.shared_prefix:
                 if s.group.gid not in groups_prefilled:
                     groups_prefilled.add(s.group.gid)
                     prefill += self.cfg.prompt_tokens
@@ -352,7 +365,7 @@ class Simulator:
         if self.cfg.colocated and self.now < self.trainer_busy_until:
             self.hungry.add(srv.idx)
             return
-        free = srv.max_inflight - srv.inflight()
+        free = srv.max_inflight - srv.inflight() - len(srv.tools)
         if free <= 0:
             self.hungry.discard(srv.idx)
             return
@@ -366,6 +379,7 @@ class Simulator:
         srv.advance(self.now)
         for it in items:
             s = it.sample
+            ep = self._episode(s) if self.cfg.agent is not None else None
             remaining = s.target - s.length
             seg = min(it.max_new, remaining)
             if seg <= 0:  # nothing left to generate (cannot happen with max_new >= 1): complete it
@@ -374,6 +388,8 @@ class Simulator:
             finish = "stop" if seg == remaining else "budget"
             r = Req(it, seg, finish)
             r.ctx0 = self.cfg.prompt_tokens + s.length
+            if ep is not None:
+                self._agent_request(r, s, ep)
             srv.waiting.append(r)
         self._start_waiting(srv)
         self._schedule(srv)
@@ -407,13 +423,13 @@ class Simulator:
         srv.advance(self.now)
         if self.cfg.pause_mode == "abort":
             for r in list(srv.running.values()):
-                produced = min(r.seg_len - 1, int(math.floor(srv.offset - r.start + 1e-9)))
+                produced = min(r.seg_len - 1, r.pos + int(math.floor(srv.offset - r.start + 1e-9)))
                 self._finish(srv, r, max(0, produced), "abort")
             srv.heap.clear()
             while srv.waiting:
                 r = srv.waiting.popleft()
                 if r.item.sample.status == "running":
-                    self.buf.end_segment(r.item.sample, [], "abort")
+                    self.buf.end_segment(r.item.sample, r.credited, "abort")  # an agent's pieces so far
         srv.stall_until = max(srv.stall_until, self.now) + self.cfg.load
         self._push(self.now + self.cfg.load, "loaded", idx, version)
         self._schedule(srv)
