@@ -3,12 +3,17 @@
 Hypothesis generates bodies for every endpoint — valid, nearly valid (one value replaced by a
 hostile one) and hostile (wrong types, huge and negative numbers, ``NaN``/``Infinity``
 literals, deep nesting, oversized strings, unknown keys, raw non-JSON bytes) — with and without
-the API key. Properties, checked for every example:
+the API key. Properties (the answers' checked for every example; the monitors' once, after the
+run, so that a monitor's finding is reported as itself, not as a failure of whichever example
+was running):
 
 * no 5xx answer (a 503 "queue full" would be one: the queue is large enough here);
 * no request affects another in flight: a greedy canary generation runs over and over alongside
   and always returns the tokens it returns alone;
-* ``/health`` answers within a second throughout;
+* ``/health`` keeps answering throughout: every answer within :data:`HEALTH_BOUND_S` (a wedged
+  event loop, e.g. a request's serialising holding the GIL for seconds, would exceed it; the bound
+  is a liveness check, not a speed target, and is loose because CI's 2 cores also run the fuzz
+  client, the canary and the engine);
 * memory stays bounded: the server's RSS grows by less than 150 MB over the run (the tiny model's
   server idles near 400 MB; a 10 MB ``text`` used to add 1.2 GB, and the largest body here is
   refused at 256 KiB, so any body that were held or copied without bound would show).
@@ -38,6 +43,8 @@ from rollout_server.testing import make_random_model, start_embedded_server
 pytestmark = pytest.mark.integration
 
 KEY = "fuzz-key"
+#: /health must answer within this many seconds throughout the fuzz (see the module docstring).
+HEALTH_BOUND_S = 5.0
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CANARY_PROMPT = [1, 3, 3]
 CANARY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -178,7 +185,7 @@ class Monitors:
                         self.problems.append(f"/health answered {r.status}")
                 took = time.monotonic() - t0
                 self.max_health = max(self.max_health, took)
-                if took > 1.0:
+                if took > HEALTH_BOUND_S:
                     self.problems.append(f"/health took {took:.2f} s")
                 self.max_rss = max(self.max_rss, self.proc.memory_info().rss)
                 await asyncio.sleep(0.1)
@@ -220,7 +227,6 @@ def test_fuzz_every_endpoint(srv):
             assert status == expected, (path, data[:300], status, text[:500])
         if not with_key and path not in ("/health", "/health_generate", "/metrics"):
             assert status == 401, (path, status)
-        assert not mon.problems, mon.problems
 
     try:
         check()
@@ -231,7 +237,7 @@ def test_fuzz_every_endpoint(srv):
     assert not mon.problems, mon.problems
     assert mon.canaries >= 1
     assert mon.max_rss - baseline < 150 * 2**20, (baseline, mon.max_rss)
-    assert mon.max_health < 1.0
+    assert mon.max_health < HEALTH_BOUND_S
     assert {p for p, _ in seen} >= {"/generate"}  # sanity: the fuzz reached the server
 
 

@@ -170,6 +170,18 @@ def test_agent_check_on_the_shipped_records():
     assert "| sync-s1 |" in table and "| async |" in table
 
 
+def test_calculator_config_refuses_bad_input_and_scales_prefill():
+    eps = S.Episodes({0: [S.Episode((5,), ())]})
+    with pytest.raises(KeyError):
+        S.calculator_config("nope", eps, steps=2)
+    with pytest.raises(ValueError, match="prefill_scale"):
+        S.calculator_config("sync", eps, steps=2, prefill_scale=0)
+    base = S.calculator_config("async", eps, steps=2)
+    assert S.calculator_config("async", eps, steps=2, prefill_scale=4).engine.prefill_per_token == \
+        pytest.approx(base.engine.prefill_per_token / 4)
+    assert base.train_batch_groups == 6 and base.max_staleness == 2 and base.agent.latency.median == 1.737
+
+
 def test_extract_episodes_refuses_a_bad_pair(tmp_path):
     with pytest.raises(ValueError, match="KEY=RUN_DIR"):
         extract_episodes(["sync-s1"], path=tmp_path / "e.json")
@@ -183,3 +195,5 @@ def test_cli_agents_prints_the_table(capsys):
     assert "sync s/step" in capsys.readouterr().out
     assert S.main(["agents", "--extract", "nokey"]) == 2
     assert "KEY=RUN_DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        S.main(["agents", "--prefill-scale", "0"])

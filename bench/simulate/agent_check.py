@@ -55,7 +55,7 @@ CALC_ARMS = {
 
 
 def calculator_config(arm: str, episodes: Episodes, steps: int, seed: int = 0,
-                      trainer_tokens_per_second: float | None = None) -> SimConfig:
+                      trainer_tokens_per_second: float | None = None, prefill_scale: float = 1.0) -> SimConfig:
     """The calculator job of configs/smollm2_calculator_remote.yaml for ``arm`` (:data:`CALC_ARMS`).
 
     Component rates are the main job's (:func:`~bench.simulate.calibration.cpu_engine`,
@@ -63,14 +63,19 @@ def calculator_config(arm: str, episodes: Episodes, steps: int, seed: int = 0,
     the trainer shares each group's prompt (``trainer.share_prompts``, on by default) and the
     engine prefills a group's prompt once (its prompt cache, docs/rollout.md).
     ``trainer_tokens_per_second``, when given, replaces the trainer's rate and folds the optimizer
-    step into it (a run's own trainer, see :func:`measured_runs`).
+    step into it (a run's own trainer, see :func:`measured_runs`). ``prefill_scale`` divides the
+    engine's derived prefill cost (a sensitivity check: docs/scaling.md finds the derived cost high).
 
     Raises:
         KeyError: an unknown arm.
+        ValueError: ``prefill_scale`` <= 0.
     """
+    if not prefill_scale > 0:
+        raise ValueError(f"prefill_scale must be > 0, got {prefill_scale}")
     R, p, M, eta, layout = CALC_ARMS[arm]
     threads = 2 if layout == "shared" else 1
-    engine = dataclasses.replace(cpu_engine(threads), shared_prefix=True)
+    engine = cpu_engine(threads)
+    engine = dataclasses.replace(engine, shared_prefix=True, prefill_per_token=engine.prefill_per_token / prefill_scale)
     trainer = dataclasses.replace(cpu_trainer(threads), share_prompts=True)
     if trainer_tokens_per_second is not None:
         trainer = dataclasses.replace(trainer, tokens_per_second=trainer_tokens_per_second, optim=0.0,
@@ -113,8 +118,11 @@ def measured_runs(bench_dir: str | os.PathLike | None = None) -> list[dict[str, 
     return out
 
 
-def agent_validation(seed: int = 0, bench_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+def agent_validation(seed: int = 0, bench_dir: str | os.PathLike | None = None,
+                     prefill_scale: float = 1.0) -> dict[str, Any]:
     """Simulate each measured calculator run with its own episodes and pair prediction with measurement.
+
+    ``prefill_scale``: see :func:`calculator_config`.
 
     Returns:
         ``{"runs": [...], "ratios": [...]}``: per run ``key``, ``arm``, ``steps`` and for each of
@@ -132,9 +140,11 @@ def agent_validation(seed: int = 0, bench_dir: str | os.PathLike | None = None) 
         if m["key"] not in episodes:
             continue
         eps = Episodes.from_json(episodes[m["key"]])
-        pred, own = (simulate(calculator_config(m["arm"], eps, steps=m["steps"], seed=seed, trainer_tokens_per_second=rate))
+        pred, own = (simulate(calculator_config(m["arm"], eps, steps=m["steps"], seed=seed, trainer_tokens_per_second=rate,
+                                                prefill_scale=prefill_scale))
                      for rate in (None, m["trainer_tokens_per_second"]))
-        rows.append({"key": m["key"], "arm": m["arm"], "steps": m["steps"],
+        rows.append({"key": m["key"], "arm": m["arm"], "steps": m["steps"], "aborted_segments": {
+                         "predicted": pred.buffer["parked_abort"], "predicted_own_trainer": own.buffer["parked_abort"]},
                      "trainer_tokens_per_second": m["trainer_tokens_per_second"],
                      **{q: {"measured": m[q], "predicted": getattr(pred, q), "error": relative_error(getattr(pred, q), m[q]),
                             "predicted_own_trainer": getattr(own, q),

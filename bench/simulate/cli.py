@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("agents", help="predicted vs measured for the slow-tool agent's runs (docs/results.md section G)")
     g.add_argument("--extract", nargs="+", metavar="KEY=RUN_DIR", default=None,
                    help="first add these runs' episodes (their trace/) to docs/bench/calculator_episodes.json")
+    g.add_argument("--prefill-scale", type=float, default=1.0,
+                   help="divide the engine's derived prefill cost by this (a sensitivity check, docs/scaling.md)")
     s = sub.add_parser("scaling", help="predicted async/sync speed-up on 8, 64, 512 H100s (7B model)")
     s.add_argument("--scales", type=int, nargs="+", default=[8, 64, 512])
     s.add_argument("--workloads", nargs="+", default=["long-tail", "short"], choices=sorted(WORKLOADS))
@@ -89,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, OSError) as exc:
                 print(f"python -m bench.simulate agents: {exc}", file=sys.stderr)
                 return 2
-        res = agent_validation(seed=a.seed)
+        if not a.prefill_scale > 0:
+            ap.error("--prefill-scale must be > 0")
+        res = agent_validation(seed=a.seed, prefill_scale=a.prefill_scale)
         print(format_agent_validation(res))
     elif a.cmd == "scaling":
         res = scaling(a.scales, a.workloads, seed=a.seed, quick=a.quick, groups=a.groups,
