@@ -44,6 +44,8 @@ def test_tables_carry_the_measured_and_predicted_figures(blocks):
     assert "| async (p 0.75, M 32, η 2; 1 core each) | seconds per step | 35.9 |" in main[2]
     assert len(blocks["validation-bench-b"].splitlines()) == 2 + 4 * 2
     assert blocks["validation-summary"].startswith("Summary: 37 of 48 quantities within 20%")
+    agents = blocks["validation-agents"]
+    assert "| sync-s1 |" in agents and "| async-s1 |" in agents and "| async |" in agents  # runs and the ratio
     gpus = [line.split("|")[1].strip() for line in blocks["scaling-reduced"].splitlines() if line[:3] in ("| 8", "| 1")]
     assert gpus == ["8", "16", "8", "16"]  # two workloads, two scales
 

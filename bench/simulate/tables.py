@@ -255,7 +255,8 @@ def _reduced_scaling_block(res: dict[str, Any]) -> str:
 
 
 #: The generated blocks of docs/scaling.md, in page order.
-BLOCKS = ("validation-main", "validation-bench-b", "validation-speedups", "validation-summary", "scaling-reduced")
+BLOCKS = ("validation-main", "validation-bench-b", "validation-speedups", "validation-summary", "validation-agents",
+          "validation-agents-prefill3", "scaling-reduced")
 
 
 def doc_blocks(validation_result: dict[str, Any] | None = None,
@@ -267,12 +268,15 @@ def doc_blocks(validation_result: dict[str, Any] | None = None,
         reduced_scaling_result: :func:`bench.simulate.scaling.scaling` with :data:`REDUCED_SCALING`
             (None: computed, a few seconds).
     """
+    from .agent_check import agent_validation, format_agent_validation
     from .validation import validation
 
     v = validation_result if validation_result is not None else validation(seed=0)
     s = reduced_scaling_result if reduced_scaling_result is not None else scaling(**REDUCED_SCALING)
     return {"validation-main": validation_main_table(v), "validation-bench-b": validation_bench_table(v),
             "validation-speedups": validation_speedup_table(v), "validation-summary": validation_summary(v),
+            "validation-agents": format_agent_validation(agent_validation(seed=0)),
+            "validation-agents-prefill3": format_agent_validation(agent_validation(seed=0, prefill_scale=3.0)),
             "scaling-reduced": _reduced_scaling_block(s)}
 
 
