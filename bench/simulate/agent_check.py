@@ -43,7 +43,8 @@ CALC_PROMPT_TOKENS = 66
 #: The environment server's latency of configs/smollm2_calculator_remote.yaml (Modal's sandbox,
 #: docs/agents.md): median 1.737 s, sigma 0.233, deadline 10 s.
 CALC_LATENCY = ToolLatency(1.737, 0.233, 10.0)
-#: Each arm's knobs (the flags of docs/results.md section G over the config): (R, p, M, eta,
+#: Each recorded arm's knobs (docs/results.md section G: the flags over the config as it was then, with
+#: ``max_staleness: 2``, so ``async`` is staleness 2): (R, p, M, eta,
 #: layout), layout ``split`` = rollout on core 0 and trainer on core 1 (asynchronous), ``shared``
 #: = both roles on both cores, alternating (synchronous).
 CALC_ARMS = {
