@@ -106,15 +106,14 @@ def measured_runs(bench_dir: str | os.PathLike | None = None) -> list[dict[str, 
         for r in json.loads(path.read_text())["runs"]:
             if r["arm"] not in CALC_ARMS:
                 continue
-            secs = [s["time/step_seconds"] for s in r["steps"] if s["step"] >= 2 and "time/step_seconds" in s]
-            if not secs:
+            later = [s for s in r["steps"] if s["step"] >= 2 and "time/step_seconds" in s]
+            if not later:
                 continue
             B = train_batch_groups(CALC_ARMS[r["arm"]][1], CALC_ARMS[r["arm"]][0])
-            later = [s for s in r["steps"] if s["step"] >= 2 and "time/step_seconds" in s]
             busy = sum(s["time/step_seconds"] - s["time/wait_batch_seconds"] - s["time/publish_seconds"] for s in later)
             tokens = sum(s["train/response_tokens"] + B * CALC_PROMPT_TOKENS for s in later)
             out.append({"key": f"{r['arm']}-s{r['seed']}", "arm": r["arm"], "seed": r["seed"], "steps": r["final_step"],
-                        "seconds_per_step": statistics.fmean(secs), "rollout_idle": r["idle"]["rollout-0"],
+                        "seconds_per_step": statistics.fmean(s["time/step_seconds"] for s in later), "rollout_idle": r["idle"]["rollout-0"],
                         "trainer_idle": r["idle"]["trainer"], "trainer_tokens_per_second": tokens / busy})
     return out
 

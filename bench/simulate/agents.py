@@ -22,7 +22,9 @@ prompt cache, docs/rollout.md).
 from __future__ import annotations
 
 import bisect
+import functools
 import glob
+import itertools
 import json
 import math
 import os
@@ -56,18 +58,17 @@ class Episode:
         """Tokens the policy generated (the sample's target length)."""
         return sum(self.calls)
 
+    @functools.cached_property
+    def _stops(self) -> tuple[int, ...]:
+        return tuple(itertools.accumulate(self.calls[:-1]))
+
     def stops(self) -> list[int]:
         """Model-token positions where a tool call starts: the end of every call but the last."""
-        out, pos = [], 0
-        for c in self.calls[:-1]:
-            pos += c
-            out.append(pos)
-        return out
+        return list(self._stops)
 
     def observation_tokens_before(self, model_pos: int) -> int:
         """Observation tokens in the context once ``model_pos`` model tokens exist (calls ended at or before it)."""
-        k = bisect.bisect_right(self.stops(), model_pos)
-        return sum(self.observations[:k])
+        return sum(self.observations[:bisect.bisect_right(self._stops, model_pos)])
 
 
 @dataclass

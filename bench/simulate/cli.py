@@ -85,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         res = validation(seed=a.seed)
         print_validation(res)
     elif a.cmd == "agents":
+        if not a.prefill_scale > 0:  # before --extract writes anything
+            ap.error("--prefill-scale must be > 0")
         if a.extract:
             try:
                 print("episodes of " + ", ".join(extract_episodes(a.extract)) + " written", file=sys.stderr)
             except (ValueError, OSError) as exc:
                 print(f"python -m bench.simulate agents: {exc}", file=sys.stderr)
                 return 2
-        if not a.prefill_scale > 0:
-            ap.error("--prefill-scale must be > 0")
         res = agent_validation(seed=a.seed, prefill_scale=a.prefill_scale)
         print(format_agent_validation(res))
     elif a.cmd == "scaling":
