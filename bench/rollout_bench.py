@@ -130,6 +130,27 @@ def main(argv: list[str] | None = None) -> int:
             server_error = f"the embedded server did not start: {type(exc).__name__}: {str(exc)[-1500:]}"
             print(server_error, flush=True)
     rows = []
+
+    def write_json(complete: bool) -> None:
+        """Write the rows measured so far (after every batch size, so a run stopped from outside, as
+        by bench/gpu_check.py's stage timeout, leaves what it measured; ``complete`` says whether
+        every batch size of ``--concurrency`` was reached)."""
+        if not a.json:
+            return
+        from bench._report import record_path
+
+        result = {"model": record_path(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
+                  "threads": a.threads, "streaming": "cumulative" if a.cumulative else "incremental",
+                  "server": not a.no_server, "server_error": server_error, "cpu_count": os.cpu_count(),
+                  "load_average": os.getloadavg(), "complete": complete,
+                  "concurrency_asked": list(a.concurrency), "rows": rows}
+        if a.device != "cpu" or a.dtype != "float32":
+            import torch
+
+            result.update(device=a.device, dtype=a.dtype,
+                          device_name=torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else a.device)
+        a.json.write_text(json.dumps(result, indent=2))
+
     try:
         # warm both paths once
         ceiling(model, prompts_all[:2], 4, device=a.device)
@@ -152,27 +173,17 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"concurrency": B, "ceiling_tokens_per_second": ceil_best, "server_tokens_per_second": None,
                              "ratio": None})
                 print(f"B={B:3d}  ceiling {ceil_best:8.1f} tok/s", flush=True)
+                write_json(complete=False)
                 continue
             rows.append({"concurrency": B, "ceiling_tokens_per_second": ceil_best, "server_tokens_per_second": serv_best,
                          "ratio": serv_best / ceil_best})
             print(f"B={B:3d}  ceiling {ceil_best:8.1f} tok/s  server {serv_best:8.1f} tok/s  ratio {serv_best / ceil_best:5.2f}",
                   flush=True)
+            write_json(complete=False)
     finally:
         if srv is not None:
             srv.stop()
-    from bench._report import record_path
-
-    result = {"model": record_path(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": a.threads,
-              "streaming": "cumulative" if a.cumulative else "incremental", "server": not a.no_server,
-              "server_error": server_error,
-              "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
-    if a.device != "cpu" or a.dtype != "float32":
-        import torch
-
-        result.update(device=a.device, dtype=a.dtype,
-                      device_name=torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else a.device)
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=2))
+    write_json(complete=True)
     print("| concurrent streamed requests | ceiling (tok/s) | server (tok/s) | server / ceiling |")
     print("|---:|---:|---:|---:|")
     for r in rows:

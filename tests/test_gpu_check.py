@@ -223,6 +223,56 @@ def test_summary_of_stage_results_has_units_in_its_keys():
     assert s["main_job_ok"] is None and s["sglang"] == "not run: x"
 
 
+def test_summary_keeps_the_rows_of_a_decode_stage_that_timed_out():
+    """A decode stage killed by its timeout reports the batch sizes it measured (rollout_bench
+    writes its JSON after each one) and says the sweep is incomplete; a failed stage with no
+    rows gives no figures."""
+    stages = {n: {"ran": False, "why": "x"} for n in gc.STAGE_NAMES}
+    rows = [{"concurrency": 1, "ceiling_tokens_per_second": 28.5, "server_tokens_per_second": 21.3}]
+    stages["decode"] = {"ran": True, "ok": False, "error": "timed out after 210 s",
+                        "result": {"complete": False, "concurrency_asked": [1, 256], "rows": rows}}
+    s = gc.summarize(stages)
+    assert s["decode_tokens_per_second_by_batch"] == {"1": 28.5}
+    assert s["server_decode_tokens_per_second_by_batch"] == {"1": 21.3}
+    assert s["decode_complete"] is False
+    stages["decode"] = {"ran": True, "ok": False, "error": "exit status 1", "result": None}
+    s = gc.summarize(stages)
+    assert s["decode_tokens_per_second_by_batch"] is None and s["decode_complete"] is None
+    stages["decode"] = {"ran": True, "ok": True, "result": {"complete": True, "rows": rows}}
+    assert gc.summarize(stages)["decode_complete"] is True
+
+
+def test_rollout_bench_writes_each_batch_size_as_it_is_measured(tmp_path, tiny_model_dir, monkeypatch):
+    """bench/rollout_bench.py rewrites its JSON after every batch size: stopped during the second
+    one (here: the ceiling loop raises, as a kill would stop it), the file holds the first row and
+    ``complete: false``; a run that finishes says ``complete: true``."""
+    sys.path.insert(0, str(REPO))
+    import bench.rollout_bench as rb
+
+    real = rb.ceiling
+    calls = []
+
+    def stop_at_second_size(model, prompts, gen_tokens, seed=0, device="cpu"):
+        calls.append(len(prompts))
+        if len(prompts) == 2 and gen_tokens == 2:
+            raise KeyboardInterrupt("stopped from outside")
+        return real(model, prompts, gen_tokens, seed=seed, device=device)
+
+    monkeypatch.setattr(rb, "ceiling", stop_at_second_size)
+    out = tmp_path / "decode.json"
+    argv = ["--model", str(tiny_model_dir), "--no-server", "--concurrency", "1", "2", "--prompt-tokens", "4",
+            "--gen-tokens", "2", "--threads", "1", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        rb.main(argv)
+    part = json.loads(out.read_text())
+    assert part["complete"] is False and part["concurrency_asked"] == [1, 2]
+    assert [r["concurrency"] for r in part["rows"]] == [1] and part["rows"][0]["ceiling_tokens_per_second"] > 0
+    monkeypatch.setattr(rb, "ceiling", real)
+    assert rb.main(argv) == 0
+    done = json.loads(out.read_text())
+    assert done["complete"] is True and [r["concurrency"] for r in done["rows"]] == [1, 2]
+
+
 def _ctx(tmp_path, *argv):
     args = gc.parse_args(list(argv))
     return gc.Ctx(args=args, stamp="t", log_dir=tmp_path / "logs", work_dir=tmp_path / "work")
