@@ -202,6 +202,7 @@ def test_flag_without_value_and_positional_argument():
         (["--max_staleness", "-1"], "buffer.max_staleness", "ge 0"),
         (["--rollout.temperature", "0"], "rollout.temperature", "gt 0.0"),
         (["--trainer.zero_stage", "4"], "trainer.zero_stage", "le 3"),
+        (["--monitoring.eval_batch_size", "0"], "monitoring.eval_batch_size", "ge 1"),
     ],
 )
 def test_out_of_range_value_names_field_and_range(flags, field, bound):

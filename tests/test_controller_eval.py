@@ -41,6 +41,7 @@ def _controller(tmp_path, tiny_model_dir) -> Controller:
 
 def test_eval_pauses_roles_and_is_excluded_from_wall_time(tmp_path, tiny_model_dir):
     ctl = _controller(tmp_path, tiny_model_dir)
+    ctl.cfg.monitoring.eval_batch_size = 3  # rows decoded together: passed to `asyncrl eval`, kept in its record
     assignment = assign_resources(ctl.cfg)
     with Supervisor(tmp_path / "logs") as sup:
         busy = sup.start(RoleSpec("rollout-0", [sys.executable, "-c", "while True: pass"]))
@@ -67,6 +68,7 @@ def test_eval_pauses_roles_and_is_excluded_from_wall_time(tmp_path, tiny_model_d
     assert "eval/accuracy_greedy" in rec and rec["time/eval_seconds"] == pytest.approx(rec["eval/eval_seconds"])
     saved = json.loads((ctl.run_dir / "eval" / "step-2.json").read_text())
     assert saved["model"] == str(tiny_model_dir) and {r["mode"] for r in saved["results"]} == {"greedy", "sampled"}
+    assert {r["batch_size"] for r in saved["results"]} == {3}
 
 
 TRAINER_PHASE = """

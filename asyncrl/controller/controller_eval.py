@@ -116,6 +116,7 @@ class ControllerEvaluation:
         timed_out = False
         cmd = [sys.executable, "-m", "asyncrl.cli", "eval", "--config", str(self.cfg_path), "--model", model,
                "--num_problems", str(cfg.monitoring.eval_num_problems), "--json",
+               "--batch_size", str(cfg.monitoring.eval_batch_size),
                "--threads", str(assignment.eval_threads), "--modes", ",".join(cfg.monitoring.eval_modes)]
         try:
             proc = await asyncio.create_subprocess_exec(

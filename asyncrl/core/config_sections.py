@@ -466,6 +466,11 @@ class MonitoringConfig(_Section):
     """Held-out problems per periodic evaluation."""
     eval_modes: list[Literal["greedy", "sampled"]] = Field(["greedy", "sampled"], min_length=1)
     """Decoding modes of the periodic evaluation: ``greedy`` and/or ``sampled`` (temperature 1.0)."""
+    eval_batch_size: int = Field(128, ge=1, le=4096)
+    """Rows the periodic evaluation decodes together (``asyncrl eval --batch_size``). Its KV cache
+    grows with rows x (prompt + ``rollout.max_response_len``) tokens and the paused roles keep their
+    memory, so long answers need fewer rows (configs/smollm2_longtail.yaml: 32; 128 rows of 512
+    new tokens reached 10 GB and were killed by the kernel on a 24 GB machine)."""
     eval_timeout_seconds: float = Field(3600.0, ge=1.0, le=86400.0)
     """Longest held-out evaluation; past it the evaluation is killed, reported as failed with one line, and training goes on (roles resume)."""
 

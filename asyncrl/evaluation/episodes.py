@@ -220,5 +220,5 @@ async def _evaluate(model, tokenizer, problems, cfg, temperature, seed, batch_si
         accuracy_ci_high=hi, format_compliance=done / max(1, n), format_ci_low=flo, format_ci_high=fhi,
         mean_response_tokens=sum(g for _, _, g in results) / max(1, n), truncated=sum(
             ep.termination == "token_limit" for ep, _, _ in results), max_new_tokens=max_len, seed=seed,
-        seconds=time.monotonic() - t0, backend="engine", episodes=episodes,
+        seconds=time.monotonic() - t0, backend="engine", episodes=episodes, batch_size=batch_size,
     )

@@ -79,6 +79,8 @@ class EvalResult:
         truncated: responses that hit ``max_new_tokens`` without EOS.
         seconds: wall time of generation and scoring.
         backend: the generation backend (``engine``, ``hf`` or ``server``).
+        batch_size: rows decoded together (engine), prompts per call (hf) or requests in flight
+            (server); None in records written before it was kept.
         episodes: for a workflow's episodes (``agent.workflow``, asyncrl/evaluation/episodes.py): mean
             turns, tool calls and reward, first-call accuracy and termination counts; None otherwise.
     """
@@ -102,6 +104,7 @@ class EvalResult:
     seconds: float
     backend: str = "engine"
     episodes: dict[str, Any] | None = None
+    batch_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -363,7 +366,7 @@ def evaluate_problems(
         accuracy_ci_low=acc_lo, accuracy_ci_high=acc_hi, format_compliance=fmt / n,
         format_ci_low=fmt_lo, format_ci_high=fmt_hi, mean_response_tokens=tokens / n,
         truncated=int(truncated), max_new_tokens=max_new_tokens, seed=seed,
-        seconds=time.perf_counter() - start, backend=backend,
+        seconds=time.perf_counter() - start, backend=backend, batch_size=batch_size,
     )
 
 
