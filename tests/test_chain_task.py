@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from asyncrl.core.config import ChainConfig, DataConfig, load_config
 from asyncrl.tasks.rewards import check_answer
 from asyncrl.tasks.base import is_heldout, problem_hash
-from asyncrl.tasks.generated import ChainTask, chain_solution, chain_steps
+from asyncrl.tasks.generated import (CHAIN_PARTIAL_WEIGHT, ChainTask, chain_correct_steps, chain_partial_reward,
+                                     chain_solution, chain_steps)
 from asyncrl.tasks.tasks import TaskError, load_task, render_response_prefix
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,3 +164,62 @@ def test_longtail_config_loads_and_partial_rollout_has_work():
     assert longest * 8 >= 4 * r.max_budget
     assert longest * 12 + 6 <= r.max_response_len
     assert cfg.monitoring.eval_num_problems <= cfg.data.num_heldout_prompts
+
+
+# ------------------------------------------------------------------ data.reward: chain_partial
+def test_correct_steps_count_the_leading_right_sums():
+    nums = [3, 5, 2, 7, 4]
+    assert chain_correct_steps(chain_solution(nums), nums) == 4
+    assert chain_correct_steps("3 + 5 = 8\n8 + 2 = 10\n10 + 7 = 18\n18 + 4 = 22\nAnswer: 22", nums) == 2  # 3rd sum wrong
+    assert chain_correct_steps("3 + 5 = 8\n8 + 7 = 15\nAnswer: 15", nums) == 1  # skipped a number
+    assert chain_correct_steps("3 + 5 = 8\n8 + 2 = 10\nAnswer: 10", nums) == 2  # stopped early (2-step shape)
+    assert chain_correct_steps("I think it is 21.", nums) == 0
+    assert chain_correct_steps("3+5=8, 8+2=10", nums) == 2  # spacing and separators do not matter
+    # more right lines than steps count once each; a 13-digit number is no step and costs no big int
+    assert chain_correct_steps(chain_solution(nums) + "\n21 + 1 = 22", nums) == 4
+    assert chain_correct_steps("3 + 5 = 8\n8 + 2 = " + "1" * 5000, nums) == 1
+
+
+def test_chain_partial_reward_ranks_right_answers_first_then_more_right_steps():
+    nums = [3, 5, 2, 7, 4, 1, 6, 2, 9, 8, 5]  # 10 steps
+    meta = {"numbers": nums, "gold": str(sum(nums))}
+    assert chain_partial_reward("p", chain_solution(nums), meta) == 1.0
+    two = "3 + 5 = 8\n8 + 2 = 10\nAnswer: 10"
+    five = "3 + 5 = 8\n8 + 2 = 10\n10 + 7 = 17\n17 + 4 = 21\n21 + 1 = 22\nAnswer: 22"
+    all_steps_wrong_answer = chain_solution(nums).rsplit("Answer:", 1)[0] + "Answer: 1"
+    assert chain_partial_reward("p", two, meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 2 / 11)
+    assert chain_partial_reward("p", five, meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 5 / 11)
+    # every step right but the answer line wrong: still strictly below 0.5 (the buffer's easy threshold)
+    assert chain_partial_reward("p", all_steps_wrong_answer, meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 10 / 11)
+    assert chain_partial_reward("p", all_steps_wrong_answer, meta) < 0.5
+    assert chain_partial_reward("p", "no idea", meta) == 0.0
+    # the 2-step shape that the outcome reward taught (docs/tasks.md) now differs from 5 right steps:
+    # a group of a long problem has reward variance
+    assert chain_partial_reward("p", two, meta) < chain_partial_reward("p", five, meta)
+
+
+@pytest.mark.parametrize("meta", [{"gold": "3"}, {"numbers": [3], "gold": "3"}, {"numbers": [1, 2]},
+                                  {"numbers": ["1", "2"], "gold": "3"}])
+def test_chain_partial_reward_outside_the_chain_task_is_a_clear_error(meta):
+    with pytest.raises(ValueError, match="use it with data.task: chain"):
+        chain_partial_reward("p", "1 + 2 = 3\nAnswer: 3", meta)
+
+
+def test_chain_partial_through_the_scorer_fails_only_its_sample():
+    """The run's path: data.reward: chain_partial loads by name; the prefill is part of the response;
+    correctness is reported beside the reward; a sample without chain metadata fails alone."""
+    from asyncrl.tasks.rewards import RewardScorer
+
+    scorer = RewardScorer("chain_partial")
+    nums = [3, 5, 2, 7]
+    meta = {"numbers": nums, "gold": "17", "response_prefix": "3 + 5 ="}
+    right = scorer.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta)
+    assert (right.reward, right.correct, right.error) == (1.0, 1.0, None)
+    part = scorer.score("p", " 8\n8 + 2 = 10\nAnswer: 10", meta)
+    assert part.reward == pytest.approx(CHAIN_PARTIAL_WEIGHT * 2 / 4) and part.correct == 0.0
+    bad = scorer.score("p", "8", {"gold": "8"})
+    assert bad.failed and "data.task: chain" in bad.error
+    assert scorer.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta).reward == 1.0  # unaffected
+    cfg = load_config(["--config", str(Path(__file__).resolve().parent.parent / "configs" / "smollm2_longtail.yaml"),
+                       "--data.reward", "chain_partial"], environ={})
+    assert cfg.data.reward == "chain_partial"

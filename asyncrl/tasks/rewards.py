@@ -307,7 +307,7 @@ _BUILTINS: dict[str, RewardFn] = {"math_verify": math_verify_reward, "format": f
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """A reward function by name: ``math_verify``, ``format``, or a user ``module:function``.
+    """A reward function by name: ``math_verify``, ``format``, ``chain_partial`` or a user ``module:function``.
 
     Raises:
         RewardError: the spec is malformed, the module cannot be imported, the attribute does
@@ -315,10 +315,14 @@ def load_reward_fn(spec: str) -> RewardFn:
     """
     if spec in _BUILTINS:
         return _BUILTINS[spec]
+    if spec == "chain_partial":  # the chain task's own reward, beside its task (docs/tasks.md)
+        from asyncrl.tasks.generated import chain_partial_reward
+
+        return chain_partial_reward
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(
-            f"data.reward={spec!r}: use 'math_verify', 'format' or a user function as 'module:function' "
+            f"data.reward={spec!r}: use 'math_verify', 'format', 'chain_partial' or a user function as 'module:function' "
             "(e.g. 'my_rewards:score')"
         )
     try:
@@ -349,7 +353,7 @@ class RewardResult:
     Attributes:
         reward: raw reward (reward function + ``format_reward_weight`` * format); 0.0 when failed.
         correct: the math-verify correctness (1.0/0.0) when the reward function is the built-in
-            verifier, else None.
+            verifier or ``chain_partial``, else None.
         format: format compliance (1.0/0.0), reported separately from correctness.
         error: None, or ``"ExceptionType: message"`` when the reward function failed (the
             sample is then FAILED and not trained).
@@ -418,7 +422,7 @@ class RewardScorer:
         if timeout_seconds is not None and not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
             raise RewardError(f"data.reward_timeout_seconds must be a positive number of seconds, got {timeout_seconds!r}")
         self.timeout_seconds = timeout_seconds
-        self._user = all(self.fn is not f for f in _BUILTINS.values())
+        self._user = all(self.fn is not f for f in _BUILTINS.values()) and reward != "chain_partial"
         self._lock = threading.Lock()
         self._abandoned = 0  # timed-out calls whose threads are still running
 
@@ -510,7 +514,7 @@ class RewardScorer:
                 value = float(raw)
                 if not math.isfinite(value):
                     raise ValueError(f"reward function {self.spec!r} returned {value}; expected a finite float")
-                correct = None
+                correct = float(value >= 1.0) if self.spec == "chain_partial" else None  # 1.0 only when right
                 fmt = value if self.fn is format_reward else format_reward(prompt, response, metadata)
             if self.reward_model is not None and self.combine == "add":
                 value += self.reward_model.term(prompt, response)
