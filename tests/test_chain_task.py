@@ -220,6 +220,5 @@ def test_chain_partial_through_the_scorer_fails_only_its_sample():
     bad = scorer.score("p", "8", {"gold": "8"})
     assert bad.failed and "data.task: chain" in bad.error
     assert scorer.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta).reward == 1.0  # unaffected
-    cfg = load_config(["--config", str(Path(__file__).resolve().parent.parent / "configs" / "smollm2_longtail.yaml"),
-                       "--data.reward", "chain_partial"], environ={})
-    assert cfg.data.reward == "chain_partial"
+    # the long-tail config ships it (docs/tasks.md: the outcome reward taught 2-step answers only)
+    assert load_config(["--config", str(LONGTAIL)], environ={}).data.reward == "chain_partial"
