@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from asyncrl.core.config import ChainConfig, DataConfig, load_config
 from asyncrl.tasks.rewards import check_answer
 from asyncrl.tasks.base import is_heldout, problem_hash
-from asyncrl.tasks.generated import (CHAIN_PARTIAL_WEIGHT, ChainTask, chain_correct_steps, chain_partial_reward,
-                                     chain_solution, chain_steps)
+from asyncrl.tasks.chain_reward import CHAIN_PARTIAL_WEIGHT, chain_correct_steps, chain_partial_reward
+from asyncrl.tasks.generated import ChainTask, chain_solution, chain_steps
 from asyncrl.tasks.tasks import TaskError, load_task, render_response_prefix
 
 REPO = Path(__file__).resolve().parents[1]

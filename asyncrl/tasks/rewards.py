@@ -304,6 +304,8 @@ def format_reward(prompt: str, response: str, metadata: dict) -> float:
 
 
 _BUILTINS: dict[str, RewardFn] = {"math_verify": math_verify_reward, "format": format_reward}
+#: built-in rewards that live in modules of their own, loaded by name like a user function
+_NAMED: dict[str, str] = {"chain_partial": "asyncrl.tasks.chain_reward:chain_partial_reward"}
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -315,10 +317,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     """
     if spec in _BUILTINS:
         return _BUILTINS[spec]
-    if spec == "chain_partial":  # the chain task's own reward, beside its task (docs/tasks.md)
-        from asyncrl.tasks.generated import chain_partial_reward
-
-        return chain_partial_reward
+    spec = _NAMED.get(spec, spec)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(
