@@ -130,26 +130,22 @@ def main(argv: list[str] | None = None) -> int:
             server_error = f"the embedded server did not start: {type(exc).__name__}: {str(exc)[-1500:]}"
             print(server_error, flush=True)
     rows = []
+    from bench._report import record_path
+
+    header = {"model": record_path(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
+              "threads": a.threads, "streaming": "cumulative" if a.cumulative else "incremental",
+              "server": not a.no_server, "cpu_count": os.cpu_count(), "concurrency_asked": list(a.concurrency)}
+    if a.device != "cpu" or a.dtype != "float32":
+        header.update(device=a.device, dtype=a.dtype,
+                      device_name=torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else a.device)
 
     def write_json(complete: bool) -> None:
         """Write the rows measured so far (after every batch size, so a run stopped from outside, as
         by bench/gpu_check.py's stage timeout, leaves what it measured; ``complete`` says whether
         every batch size of ``--concurrency`` was reached)."""
-        if not a.json:
-            return
-        from bench._report import record_path
-
-        result = {"model": record_path(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
-                  "threads": a.threads, "streaming": "cumulative" if a.cumulative else "incremental",
-                  "server": not a.no_server, "server_error": server_error, "cpu_count": os.cpu_count(),
-                  "load_average": os.getloadavg(), "complete": complete,
-                  "concurrency_asked": list(a.concurrency), "rows": rows}
-        if a.device != "cpu" or a.dtype != "float32":
-            import torch
-
-            result.update(device=a.device, dtype=a.dtype,
-                          device_name=torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else a.device)
-        a.json.write_text(json.dumps(result, indent=2))
+        if a.json:
+            a.json.write_text(json.dumps({**header, "server_error": server_error, "load_average": os.getloadavg(),
+                                          "complete": complete, "rows": rows}, indent=2))
 
     try:
         # warm both paths once

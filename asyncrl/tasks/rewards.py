@@ -304,7 +304,9 @@ def format_reward(prompt: str, response: str, metadata: dict) -> float:
 
 
 _BUILTINS: dict[str, RewardFn] = {"math_verify": math_verify_reward, "format": format_reward}
-#: built-in rewards that live in modules of their own, loaded by name like a user function
+#: built-in rewards that live in modules of their own, loaded by name like a user function; like
+#: ``math_verify`` they run without a thread and a timeout, and score exactly 1.0 for a right answer
+#: (the scorer reports that as ``correct``)
 _NAMED: dict[str, str] = {"chain_partial": "asyncrl.tasks.chain_reward:chain_partial_reward"}
 
 
@@ -352,7 +354,7 @@ class RewardResult:
     Attributes:
         reward: raw reward (reward function + ``format_reward_weight`` * format); 0.0 when failed.
         correct: the math-verify correctness (1.0/0.0) when the reward function is the built-in
-            verifier or ``chain_partial``, else None.
+            verifier or a named built-in such as ``chain_partial``, else None.
         format: format compliance (1.0/0.0), reported separately from correctness.
         error: None, or ``"ExceptionType: message"`` when the reward function failed (the
             sample is then FAILED and not trained).
@@ -421,7 +423,8 @@ class RewardScorer:
         if timeout_seconds is not None and not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
             raise RewardError(f"data.reward_timeout_seconds must be a positive number of seconds, got {timeout_seconds!r}")
         self.timeout_seconds = timeout_seconds
-        self._user = all(self.fn is not f for f in _BUILTINS.values()) and reward != "chain_partial"
+        self._named = reward in _NAMED  # a built-in of its own module (not a user function)
+        self._user = all(self.fn is not f for f in _BUILTINS.values()) and not self._named
         self._lock = threading.Lock()
         self._abandoned = 0  # timed-out calls whose threads are still running
 
@@ -513,7 +516,7 @@ class RewardScorer:
                 value = float(raw)
                 if not math.isfinite(value):
                     raise ValueError(f"reward function {self.spec!r} returned {value}; expected a finite float")
-                correct = float(value >= 1.0) if self.spec == "chain_partial" else None  # 1.0 only when right
+                correct = float(value >= 1.0) if self._named else None  # 1.0 only when right
                 fmt = value if self.fn is format_reward else format_reward(prompt, response, metadata)
             if self.reward_model is not None and self.combine == "add":
                 value += self.reward_model.term(prompt, response)
