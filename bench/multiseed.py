@@ -681,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval_every", type=int, default=25, help="held-out evaluation spacing, steps")
     ap.add_argument("--num_problems", type=int, default=400)
     ap.add_argument("--config", default="configs/smollm2_arith.yaml")
-    ap.add_argument("--title", default=None)
+    ap.add_argument("--title", default=None, help="the report's title (kept in --json; also with --replot)")
     ap.add_argument("--out_dir", type=Path, default=None, help="run directories (default: a temporary folder)")
     ap.add_argument("--json", type=Path, required=True, help="results; runs already in it are skipped")
     ap.add_argument("--plot", type=Path, default=None)
@@ -698,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         if report is None:
             ap.error(f"--replot: {args.json} does not exist")
+        if args.title:
+            report["title"] = args.title
         if args.reread is not None:
             print(f"multiseed: refreshed {reread(report, args.reread)} runs from {args.reread}", file=sys.stderr)
         compute_stats(report)

@@ -153,11 +153,15 @@ def test_compute_stats_and_replot_from_json(ms, tmp_path):
     png = tmp_path / "r.png"
     assert ms.main(["--replot", "--json", str(path), "--plot", str(png)]) == 0
     out = json.loads(path.read_text())
+    assert out["title"] == "t"  # kept when --title is not given
     st = out["stats"]
     assert st["ratios_vs"] == "sync"
     assert st["arms"]["async"]["time_to"]["80%"] == [6.0, 6.0, 6.0]
     assert st["arms"]["sync"]["time_to"]["80%"] == [8.0, 8.0, 8.0]
     assert st["ratios"]["async"]["80%"]["ratio"] == pytest.approx(8.0 / 6.0)
+    # --title with --replot renames the report (an arm added later changes what it compares)
+    assert ms.main(["--replot", "--json", str(path), "--title", "t2"]) == 0
+    assert json.loads(path.read_text())["title"] == "t2"
     assert st["arms"]["async"]["band"][1]["mean"] == pytest.approx(0.74)
     assert png.stat().st_size > 10_000
     md = ms.markdown(out)
