@@ -633,6 +633,30 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
     return lines
 
 
+def preflight(config: str | Path, arms: dict[str, list[str] | None]) -> list[str]:
+    """Problems that would make every run of a comparison fail, found before the first run starts.
+
+    Each arm's flags are parsed against ``config`` as ``asyncrl train`` parses them, and its
+    ``model.path`` is resolved (a fresh machine has not prepared SmolLM2 yet: ``asyncrl models
+    prepare``). ``arms`` maps name -> flags (None: the TRL arm, which reads ``config`` as it is).
+
+    Returns:
+        one line per problem, naming the arm and what to fix; empty when every arm can start.
+    """
+    from asyncrl.core.config import ConfigError, load_config
+    from asyncrl.models import resolve_model_path
+    from asyncrl.models.cache import ModelError
+
+    problems = []
+    for name, flags in arms.items():
+        try:
+            cfg = load_config(["--config", str(config), *(flags or [])], environ={})
+            resolve_model_path(cfg.model.path)
+        except (ConfigError, ModelError) as exc:
+            problems.append(f"arm {name!r}: {exc}")
+    return problems
+
+
 def config_digest(path: str | Path) -> str:
     """SHA-256 (hex) of the config file's bytes: runs of a changed config are never mixed in one JSON.
 
@@ -741,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps({"todo": todo, "recorded": sorted(done)}))
         return 0
+    problems = preflight(args.config, {a: arms[a] for a in dict.fromkeys(arm for arm, _ in todo)})
+    if problems:
+        ap.error("no run started:\n  " + "\n  ".join(problems))
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="multiseed_"))
     run_settings = {**settings, "keep_run_files": args.keep_run_files}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -197,6 +197,22 @@ def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path
     assert "another version of configs/smollm2_arith.yaml" in capsys.readouterr().err
 
 
+def test_no_run_starts_when_an_arm_cannot(ms, tmp_path, capsys, monkeypatch):
+    """A model that is not prepared (a fresh machine) or an arm flag ``asyncrl train`` would refuse
+    stops the harness before its first run, naming the arm and the fix; nothing is written."""
+    monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path / "empty-cache"))
+    path, out = tmp_path / "r.json", tmp_path / "runs"
+    argv = ["--arms", "async", "--seeds", "1", "--steps", "2", "--json", str(path), "--out_dir", str(out)]
+    with pytest.raises(SystemExit):
+        ms.main(argv)
+    err = capsys.readouterr().err
+    assert "no run started" in err and "arm 'async'" in err and "asyncrl models prepare smollm2-135m-instruct" in err
+    assert not path.exists() and not out.exists()
+    assert ms.preflight("configs/smollm2_arith.yaml", {"t": ["--model.path", "tiny"]}) == []
+    bad = ms.preflight("configs/smollm2_arith.yaml", {"t": ["--model.path", "tiny", "--rollout.temprature", "1"]})
+    assert len(bad) == 1 and bad[0].startswith("arm 't': ") and "temprature" in bad[0]
+
+
 def test_read_run_from_a_run_directory(ms, tmp_path):
     run = tmp_path / "async-s1"
     run.mkdir()
