@@ -719,11 +719,11 @@ def main(argv: list[str] | None = None) -> int:
                          "(records a newer harness reads, e.g. idle ratios and publish costs)")
     args = ap.parse_args(argv)
     report = json.loads(args.json.read_text()) if args.json.exists() else None
+    if report is not None and args.title:
+        report["title"] = args.title
     if args.replot:
         if report is None:
             ap.error(f"--replot: {args.json} does not exist")
-        if args.title:
-            report["title"] = args.title
         if args.reread is not None:
             print(f"multiseed: refreshed {reread(report, args.reread)} runs from {args.reread}", file=sys.stderr)
         compute_stats(report)
@@ -758,8 +758,6 @@ def main(argv: list[str] | None = None) -> int:
         if prev is not None and prev != arms[a]:
             ap.error(f"arm {a!r} is recorded with flags {prev}, not {arms[a]}: give the new arm another name")
         report["arm_flags"][a] = arms[a]
-    if args.title:
-        report["title"] = args.title
     done = {(r["arm"], r["seed"]) for r in report["runs"]}
     todo = plan(list(arms), range(args.first_seed, args.first_seed + args.seeds), done)
     if args.dry_run:
