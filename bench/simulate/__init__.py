@@ -2,8 +2,9 @@
 
 ``python -m bench.simulate validate`` (from the repository root) prints predicted vs measured
 figures for the runs this repository measured on its 2-core machine; ``python -m bench.simulate
-agents`` does the same for the slow-tool agent's runs (multi-call episodes with tool latency);
-``python -m bench.simulate
+agents`` does the same for the slow-tool agent's runs (multi-call episodes with tool latency),
+``python -m bench.simulate longtail`` for the long-tail task's runs (each with its own response
+lengths); ``python -m bench.simulate
 scaling`` prints the predicted asynchronous / synchronous speed-up for 8, 64 and 512 H100 GPUs;
 ``python -m bench.simulate run ...`` simulates one configuration; ``python -m bench.simulate doc
 --write`` renders the generated tables of docs/scaling.md into it. ``--json FILE`` writes the raw
@@ -19,8 +20,9 @@ Modules (``from bench.simulate import ...`` gets every public name of them):
   :mod:`~bench.simulate.model` (servers, the event loop, ``simulate``);
 * :mod:`~bench.simulate.calibration`: the inputs measured here, the GPU calibration and the
   configurations built from them;
-* :mod:`~bench.simulate.validation` and :mod:`~bench.simulate.agent_check` (predicted vs
-  measured: the main job and benchmark (b); the slow-tool agent) and :mod:`~bench.simulate.scaling`
+* :mod:`~bench.simulate.validation`, :mod:`~bench.simulate.agent_check` and
+  :mod:`~bench.simulate.longtail_check` (predicted vs measured: the main job and benchmark (b);
+  the slow-tool agent; the long-tail task) and :mod:`~bench.simulate.scaling`
   (the GPU predictions, the published results);
 * :mod:`~bench.simulate.tables` (the printed tables and docs/scaling.md's) and
   :mod:`~bench.simulate.cli` (the command line).
@@ -75,6 +77,8 @@ waits in the engine's queue, as SGLang's waiting queue). On a published version 
 partial output and are resumed later with the KV recomputed; ``in_place``: they keep their KV
 and continue under the new version), loads for ``load`` seconds and continues; a worker that
 claims while its engine is behind the clock loads first (``RolloutWorker._catch_up``).
+With ``SimConfig.engine_wide`` (``resources.core_sharing: follow``) a server decodes with that
+engine while the trainer waits for a batch and with ``engine`` while it trains.
 
 **Agent episodes** (``SimConfig.agent``, :mod:`~bench.simulate.agents`): a sample is a sequence of
 model calls separated by tool calls; at a tool call its request leaves the engine and waits the
@@ -194,8 +198,10 @@ from .lengths import (
     LogNormalLength,
     PerSampleLength,
     PhasedLength,
+    RecordedGroupLengths,
     UniformLength,
 )
+from .longtail_check import longtail_config, longtail_validation
 from .model import Req, Server, SimConfig, SimResult, Simulator, StepRecord, simulate, train_batch_groups
 from .scaling import ASYNC_SETTINGS, PUBLISHED, ROLLOUT_FRACTIONS, scaling
 from .tables import doc_blocks, print_scaling, print_validation, read_blocks, write_blocks
@@ -210,7 +216,8 @@ __all__ = [
     "cpu_trainer", "gpu_config", "gpu_engine", "gpu_trainer", "gpu_weight_sync", "main_job_config", "main", "INF",
     "EngineModel", "TrainerModel", "A100", "DEEPSPEED_SUSTAINED_MFU", "H100", "IB_NDR_PORT_BYTES_PER_S", "LLAMA31_8B",
     "QWEN25_7B", "SGLANG_A100_LLAMA8B", "Hardware", "ModelShape", "BenchParetoLength", "CappedMixtureLength",
-    "FixedLength", "LengthModel", "LogNormalLength", "PerSampleLength", "PhasedLength", "UniformLength", "Req",
+    "FixedLength", "LengthModel", "LogNormalLength", "PerSampleLength", "PhasedLength", "RecordedGroupLengths",
+    "UniformLength", "longtail_config", "longtail_validation", "Req",
     "Server", "SimConfig", "SimResult", "Simulator", "StepRecord", "simulate", "train_batch_groups", "ASYNC_SETTINGS",
     "PUBLISHED", "ROLLOUT_FRACTIONS", "scaling", "doc_blocks", "print_scaling", "print_validation", "read_blocks",
     "write_blocks", "validation",

@@ -187,7 +187,7 @@ class Buffer:
         s.bused = 0
         s.restarts += 1
         if self.lengths.resample_on_restart:
-            s.target = max(1, min(self.L, int(self.lengths.one(self.rng, self.v))))
+            s.target = max(1, min(self.L, int(self.lengths.redraw(self.rng, s.group.feed_index, self.v))))
         self._push_fresh(s)
         self.stats["restarted_samples"] += 1
 

@@ -1,4 +1,4 @@
-"""``python -m bench.simulate validate | agents | scaling | run | doc``: the simulator's command line (see ``--help``)."""
+"""``python -m bench.simulate validate | agents | longtail | scaling | run | doc``: the simulator's command line (see ``--help``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ from pathlib import Path
 from . import __doc__ as package_doc
 from .agent_check import agent_validation, extract_episodes, format_agent_validation
 from .calibration import GLOBAL_BATCH_GROUPS, WORKLOADS, gpu_config
+from .longtail_check import (
+    extract_runs,
+    format_longtail_forecast,
+    format_longtail_validation,
+    longtail_forecast,
+    longtail_validation,
+)
 from .model import simulate
 from .scaling import scaling
 from .tables import doc_blocks, print_scaling, print_validation, read_blocks, write_blocks
@@ -42,7 +49,7 @@ def _doc(path: Path, write: bool, check: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``validate`` | ``agents`` | ``scaling`` | ``run`` | ``doc`` (see ``--help``); returns the exit status."""
+    """``validate`` | ``agents`` | ``longtail`` | ``scaling`` | ``run`` | ``doc`` (see ``--help``); returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=package_doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="The model and its sources: the package docstring and docs/scaling.md.")
@@ -53,6 +60,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="first add these runs' episodes (their trace/) to docs/bench/calculator_episodes.json")
     g.add_argument("--prefill-scale", type=float, default=1.0,
                    help="divide the engine's derived prefill cost by this (a sensitivity check, docs/scaling.md)")
+    lt = sub.add_parser("longtail", help="predicted vs measured for the long-tail task's runs (docs/results.md section H)")
+    lt.add_argument("--extract", nargs="+", metavar="KEY=RUN_DIR", default=None,
+                    help="first add these runs' lengths, records and decode rates (their trace/ and metrics) "
+                         "to docs/bench/longtail_lengths.json; KEY is <arm>-s<seed>")
+    lt.add_argument("--prefill-scale", type=float, default=1.0,
+                    help="divide the engine's derived prefill cost by this (a sensitivity check, docs/scaling.md)")
+    lt.add_argument("--seeds", type=int, default=20, help="simulations per prediction (their mean is printed)")
+    lt.add_argument("--forecast", action="store_true",
+                    help="also every arm on the synchronous run's lengths, 15 steps (~30 s): what the model "
+                         "attributes the step times to")
     s = sub.add_parser("scaling", help="predicted async/sync speed-up on 8, 64, 512 H100s (7B model)")
     s.add_argument("--scales", type=int, nargs="+", default=[8, 64, 512])
     s.add_argument("--workloads", nargs="+", default=["long-tail", "short"], choices=sorted(WORKLOADS))
@@ -75,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = d.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="replace the tables in the page")
     mode.add_argument("--check", action="store_true", help="exit 1 when the page's tables differ from the code's")
-    for p in (v, g, s, r):
+    for p in (v, g, lt, s, r):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", default=None, help="write the raw results to this file")
     a = ap.parse_args(argv)
@@ -95,6 +112,20 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         res = agent_validation(seed=a.seed, prefill_scale=a.prefill_scale)
         print(format_agent_validation(res))
+    elif a.cmd == "longtail":
+        if not a.prefill_scale > 0 or a.seeds < 1:  # before --extract writes anything
+            ap.error("--prefill-scale must be > 0 and --seeds >= 1")
+        if a.extract:
+            try:
+                print("runs " + ", ".join(extract_runs(a.extract)) + " written", file=sys.stderr)
+            except (ValueError, OSError) as exc:
+                print(f"python -m bench.simulate longtail: {exc}", file=sys.stderr)
+                return 2
+        res = longtail_validation(seed=a.seed, prefill_scale=a.prefill_scale, seeds=a.seeds)
+        print(format_longtail_validation(res))
+        if a.forecast:
+            res["forecast"] = longtail_forecast(res, seed=a.seed, seeds=a.seeds, prefill_scale=a.prefill_scale)
+            print("\n" + format_longtail_forecast(res["forecast"]))
     elif a.cmd == "scaling":
         res = scaling(a.scales, a.workloads, seed=a.seed, quick=a.quick, groups=a.groups,
                       log=lambda m: print(m, file=sys.stderr, flush=True))

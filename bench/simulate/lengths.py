@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["LengthModel", "PerSampleLength", "FixedLength", "UniformLength", "LogNormalLength", "CappedMixtureLength",
-           "PhasedLength", "BenchParetoLength"]
+           "PhasedLength", "BenchParetoLength", "RecordedGroupLengths"]
 
 
 class LengthModel(ABC):
@@ -16,7 +17,7 @@ class LengthModel(ABC):
 
     ``lengths(rng, feed_index, version, n)`` draws them when the group is admitted (``version``
     is the clock then); ``resample_on_restart`` says whether a regenerated sample draws again (a
-    new sample of the current policy) or keeps its length (lengths fixed by the prompt).
+    new sample of the current policy, :meth:`redraw`) or keeps its length (lengths fixed by the prompt).
     """
 
     resample_on_restart = True
@@ -24,6 +25,14 @@ class LengthModel(ABC):
     @abstractmethod
     def lengths(self, rng: random.Random, feed_index: int, version: int, n: int) -> list[int]:
         """``n`` lengths for the group fed at ``feed_index``, admitted at policy ``version``."""
+
+    def redraw(self, rng: random.Random, feed_index: int, version: int) -> int:
+        """The new length (tokens) of a restarted sample of the group fed at ``feed_index``, at ``version``.
+
+        Raises:
+            NotImplementedError: a model without redraws (``resample_on_restart`` False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps a restarted sample's length")
 
     def describe(self) -> str:
         """One line for the tables."""
@@ -36,6 +45,10 @@ class PerSampleLength(LengthModel):
     def lengths(self, rng: random.Random, feed_index: int, version: int, n: int) -> list[int]:
         """``n`` independent draws of :meth:`one`."""
         return [self.one(rng, version) for _ in range(n)]
+
+    def redraw(self, rng: random.Random, feed_index: int, version: int) -> int:
+        """One draw of :meth:`one` (independent of the group)."""
+        return self.one(rng, version)
 
     @abstractmethod
     def one(self, rng: random.Random, version: int) -> int:
@@ -157,3 +170,61 @@ class BenchParetoLength(LengthModel):
     def describe(self) -> str:
         """One line for the tables."""
         return f"Pareto x_m {self.x_m:g}, alpha {self.alpha:g}, cap {self.cap} (the benchmark's sequence)"
+
+
+@dataclass
+class RecordedGroupLengths(LengthModel):
+    """A run's own groups: each admitted group takes the lengths of one recorded group, whole.
+
+    ``by_version[v]`` holds the response lengths (tokens) of the groups a run trained whose oldest
+    token was of policy version v (one tuple of n lengths per group). A group admitted at version
+    ``version`` takes a uniformly drawn recorded group of the newest version <= ``version`` that has
+    any (the oldest version's when ``version`` is older than all), so lengths change over the run as
+    the measured policy's did, and the lengths of a group's samples stay together (in a long-tail
+    task a group's lengths follow its problem). Each length is multiplied by ``scale`` and rounded
+    (the buffer caps it at ``max_response_len``). A restarted sample (:meth:`redraw`) takes the
+    length of one of its own group's recorded samples: a new answer to the same problem.
+
+    Raises:
+        ValueError: no group, an empty group, a length < 1, or ``scale`` <= 0.
+    """
+
+    by_version: dict[int, list[tuple[int, ...]]]
+    scale: float = 1.0
+    source: str = ""
+    _keys: list[int] = field(default_factory=list, init=False, repr=False)
+    _groups: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.by_version = {int(v): [tuple(int(x) for x in g) for g in gs] for v, gs in self.by_version.items() if gs}
+        if not self.by_version:
+            raise ValueError("RecordedGroupLengths needs at least one group")
+        if any(not g or min(g) < 1 for gs in self.by_version.values() for g in gs):
+            raise ValueError("a recorded group needs >= 1 sample, each of >= 1 token")
+        if not self.scale > 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+        self._keys = sorted(self.by_version)
+
+    def _scaled(self, x: int) -> int:
+        return max(1, int(round(x * self.scale)))
+
+    def lengths(self, rng: random.Random, feed_index: int, version: int, n: int) -> list[int]:
+        """One recorded group's lengths, scaled (drawn with replacement from it when its size is not ``n``)."""
+        i = bisect.bisect_right(self._keys, version) - 1
+        pool = self.by_version[self._keys[max(0, i)]]
+        g = pool[rng.randrange(len(pool))]
+        self._groups[feed_index] = g
+        picked = list(g) if len(g) == n else [g[rng.randrange(len(g))] for _ in range(n)]
+        return [self._scaled(x) for x in picked]
+
+    def redraw(self, rng: random.Random, feed_index: int, version: int) -> int:
+        """A length of the same recorded group, scaled (a new answer to the same prompt)."""
+        g = self._groups.get(feed_index)
+        if g is None:
+            return self.lengths(rng, feed_index, version, 1)[0]
+        return self._scaled(g[rng.randrange(len(g))])
+
+    def describe(self) -> str:
+        """One line for the tables."""
+        groups = sum(len(gs) for gs in self.by_version.values())
+        return f"{groups} recorded groups{f' of {self.source}' if self.source else ''}, scale {self.scale:g}"

@@ -119,6 +119,9 @@ class SimConfig:
         steps: stop after this many train steps (0: run ``warmup + duration`` seconds).
         warmup_steps: with ``steps``, measure from the end of this step on.
         seed: random seed.
+        engine_wide: the servers' engine while the trainer waits for a batch, ``engine`` while it
+            works (``resources.core_sharing: follow``: the rollout server takes the trainer's
+            threads); None: ``engine`` always.
         agent: an :class:`~bench.simulate.agents.AgentModel` (multi-call episodes with tool latency), or None.
     """
 
@@ -149,6 +152,7 @@ class SimConfig:
     warmup_steps: int = 0
     seed: int = 0
     agent: Any = None
+    engine_wide: EngineModel | None = None
 
     @property
     def train_batch_groups(self) -> int:
@@ -224,7 +228,7 @@ class Simulator(AgentEvents):
         self.buf = Buffer(cfg.rollout_batch_size, cfg.train_batch_groups, cfg.n_samples, cfg.max_budget,
                           cfg.max_response_len, cfg.max_staleness, cfg.stale_policy, cfg.lengths, self.rng,
                           cfg.batches_per_version, cfg.admission_counts_ready)
-        self.servers = [Server(i, cfg.engine, cfg.max_inflight) for i in range(cfg.servers)]
+        self.servers = [Server(i, cfg.engine_wide or cfg.engine, cfg.max_inflight) for i in range(cfg.servers)]
         self.events: list = []
         self._eseq = 0
         self.now = 0.0
@@ -452,6 +456,16 @@ class Simulator(AgentEvents):
         self._wake()
 
     # -------------------------------------------------------------------------------- trainer
+    def _follow(self, waiting: bool) -> None:
+        """``engine_wide``: the servers decode with it while the trainer waits, with ``engine`` else."""
+        eng = self.cfg.engine_wide if waiting else self.cfg.engine
+        if self.cfg.engine_wide is None:
+            return
+        for srv in self.servers:
+            srv.advance(self.now)
+            srv.engine = eng
+            self._schedule(srv)
+
     def _on_trainer_poll(self) -> None:
         tr = self.cfg.trainer
         batch = self.buf.next_batch()
@@ -460,6 +474,7 @@ class Simulator(AgentEvents):
             self._wake()
             return
         self.batch = batch
+        self._follow(False)
         groups = [g for g, _ in batch]
         wait = self.now - self.step_start
         fb = tr.forward_backward_seconds(groups, self.cfg.prompt_tokens)
@@ -506,6 +521,7 @@ class Simulator(AgentEvents):
         self.records.append((rec_time, rec))
         self.trained.extend(g for g, _ in batch)
         self.batch = None
+        self._follow(True)
         if self.cfg.steps and self.cfg.warmup_steps and self.step == self.cfg.warmup_steps:
             self.snap0 = self._snapshot(self.now)
         if self.cfg.steps and self.step >= self.cfg.steps:

@@ -256,7 +256,7 @@ def _reduced_scaling_block(res: dict[str, Any]) -> str:
 
 #: The generated blocks of docs/scaling.md, in page order.
 BLOCKS = ("validation-main", "validation-bench-b", "validation-speedups", "validation-summary", "validation-agents",
-          "validation-agents-prefill3", "scaling-reduced")
+          "validation-agents-prefill3", "validation-longtail", "scaling-reduced")
 
 
 def doc_blocks(validation_result: dict[str, Any] | None = None,
@@ -269,6 +269,7 @@ def doc_blocks(validation_result: dict[str, Any] | None = None,
             (None: computed, a few seconds).
     """
     from .agent_check import agent_validation, format_agent_validation
+    from .longtail_check import format_longtail_validation, longtail_validation
     from .validation import validation
 
     v = validation_result if validation_result is not None else validation(seed=0)
@@ -277,6 +278,7 @@ def doc_blocks(validation_result: dict[str, Any] | None = None,
             "validation-speedups": validation_speedup_table(v), "validation-summary": validation_summary(v),
             "validation-agents": format_agent_validation(agent_validation(seed=0)),
             "validation-agents-prefill3": format_agent_validation(agent_validation(seed=0, prefill_scale=3.0)),
+            "validation-longtail": format_longtail_validation(longtail_validation(seed=0)),
             "scaling-reduced": _reduced_scaling_block(s)}
 
 
