@@ -15,6 +15,7 @@ import bench.simulate as S
 from bench.simulate.buffer import Buffer
 from bench.simulate.calibration import cpu_engine
 from bench.simulate.longtail_check import (
+    DERIVED_DECODE,
     DERIVED_LENGTHS,
     LT_ARMS,
     LT_RUNS,
@@ -213,9 +214,11 @@ def test_longtail_check_on_the_shipped_records(shipped):
         assert r["arm"] in LT_ARMS
         lo, hi = r["seconds_per_step"]["range"]
         assert 0 < lo <= r["seconds_per_step"]["predicted"] <= hi
-    (ratio,) = shipped["ratios"]
-    assert ratio["arm"] == "async" and ratio["measured"] < 1  # measured: the async steps were slower
-    assert ratio["predicted"] < 1  # the sign docs/scaling.md states for the model
+    assert asyn["decode_run"] == DERIVED_DECODE["async-s1"] and sync["decode_run"] == "sync-s1"
+    ratios = {q["arm"]: q for q in shipped["ratios"]}
+    for arm in ratios:  # measured: the async steps were slower; the sign docs/scaling.md states for the model
+        assert ratios[arm]["measured"] < 1 and ratios[arm]["predicted"] < 1
+    assert "async" in ratios
     table = format_longtail_validation(shipped)
     assert "| sync-s1 | 18 | sync-s1 | 93.0 |" in table and "| async-s1 | 12 | sync-s1 × 1.31 | 152.8 |" in table
 
@@ -225,7 +228,8 @@ def test_a_run_without_a_decode_rate_prints_dashes(shipped):
     for q in ("seconds_per_step", "rollout_idle", "trainer_idle", "restarted_samples"):
         res["runs"][0][q]["predicted_own_rates"] = None
     res["runs"][0]["decode_slowdown"] = None
-    res["ratios"][0]["predicted_own_rates"] = None
+    for q in res["ratios"]:
+        q["predicted_own_rates"] = None
     table = format_longtail_validation(res)
     assert table.splitlines()[2].count("—") == 4 and "decode ×" not in table.splitlines()[2]
 

@@ -35,7 +35,7 @@ from .lengths import RecordedGroupLengths
 from .model import SimConfig, simulate, train_batch_groups
 from .validation import relative_error
 
-__all__ = ["LT_PROMPT_TOKENS", "LT_ARMS", "LT_RUNS", "DERIVED_LENGTHS", "LENGTHS_FILE", "longtail_config",
+__all__ = ["LT_PROMPT_TOKENS", "LT_ARMS", "LT_RUNS", "DERIVED_LENGTHS", "DERIVED_DECODE", "LENGTHS_FILE", "longtail_config",
            "groups_from_trace", "decode_slowdown", "run_record", "measured_summary", "longtail_validation",
            "longtail_forecast", "extract_runs", "format_longtail_validation", "format_longtail_forecast"]
 
@@ -63,12 +63,16 @@ LT_ARMS = {
 LT_RUNS: dict[str, tuple[str, str, int] | None] = {
     "sync-s1": ("multiseed_longtail.json", "sync", 1),
     "async-s1": ("longtail_check_partial.json", "partial", 1),
+    "keep-s1": None,
 }
 #: Runs whose directory (and ``trace/``) is gone -> the run whose groups stand in for theirs. Same
 #: task and seed, so the same problems in the same order; each length is scaled by the ratio of the
 #: two runs' mean ``train/response_tokens`` per step. An approximation: the policies differ, and
 #: under ``stale_policy: restart`` the trained lengths are biased short (long answers are restarted).
 DERIVED_LENGTHS = {"async-s1": "sync-s1"}
+#: Runs without a trace -> the run whose decode slowdown (:func:`decode_slowdown`) stands in for
+#: theirs: the same layout (one core, split), budget and pause mode. Without it, the lengths' run's.
+DERIVED_DECODE = {"async-s1": "keep-s1"}
 
 _STEP_FIELDS = ("time/step_seconds", "time/wait_batch_seconds", "time/publish_seconds", "train/response_tokens",
                 "train/samples")
@@ -320,7 +324,8 @@ def longtail_validation(seed: int = 0, bench_dir: str | os.PathLike | None = Non
     Returns:
         ``{"runs": [...], "ratios": [...]}``: per run ``key``, ``arm``, ``steps``, ``lengths`` (the
         run whose groups were used and their scale), ``decode_slowdown`` (the factor used for the
-        own-rates prediction, from the lengths' run at this arm's thread count; None: not known) and
+        own-rates prediction, at this arm's thread count; None: not known) and ``decode_run`` (the
+        run it was measured on: :data:`DERIVED_DECODE`, else the lengths' run), and
         for each of ``seconds_per_step``, ``rollout_idle``, ``trainer_idle``, ``restarted_samples``
         the ``measured`` value and, with an ``error_<kind>`` and for seconds per step a ``range_<kind>``
         (the seeds' lowest and highest), ``predicted`` (the machine's rates),
@@ -349,14 +354,17 @@ def longtail_validation(seed: int = 0, bench_dir: str | os.PathLike | None = Non
         if lengths is None:
             continue
         threads = 2 if LT_ARMS[m["arm"]][5] == "shared" else 1
-        slow = stored[lengths.source].get("decode_slowdown", {}).get(str(threads))
+        dsrc = DERIVED_DECODE.get(key, lengths.source)
+        if dsrc not in stored:
+            dsrc = lengths.source
+        slow = stored[dsrc].get("decode_slowdown", {}).get(str(threads))
         rate = m["trainer_tokens_per_second"]
         results = [[simulate(longtail_config(m["arm"], lengths, steps=m["steps"], seed=k, trainer_tokens_per_second=t,
                                              prefill_scale=prefill_scale, decode_scale=d))
                     for k in range(seed, seed + seeds)]
                    for t, d in ((None, 1.0), (rate, 1.0), (rate, slow or 1.0))]
         row = {"key": key, "arm": m["arm"], "steps": m["steps"], "lengths": {"run": lengths.source, "scale": lengths.scale},
-               "trainer_tokens_per_second": rate, "decode_slowdown": slow}
+               "trainer_tokens_per_second": rate, "decode_slowdown": slow, "decode_run": dsrc}
         for q in ("seconds_per_step", "rollout_idle", "trainer_idle", "restarted_samples"):
             row[q] = {"measured": m[q]}
             for kind, rs in zip(_KINDS, results):
@@ -395,7 +403,8 @@ def longtail_forecast(res: dict[str, Any], lengths_run: str = "sync-s1", steps: 
     recorded groups, unscaled, under the three kinds of rates of :func:`longtail_validation`
     (``res``, its result): the machine's; the measured runs' own trainer rates (mean over the runs
     with the arm's thread count: two for ``shared``, one otherwise); and those with the decode
-    slowdown of ``lengths_run`` at the arm's thread count. ``prefill_scale``: see :func:`longtail_config`.
+    slowdowns measured on those runs' own traces (mean; none: that kind is None). ``prefill_scale``:
+    see :func:`longtail_config`.
 
     Returns:
         ``{"lengths": lengths_run, "steps", "arms": [{"arm", <kind>: seconds per step or None,
@@ -416,10 +425,10 @@ def longtail_forecast(res: dict[str, Any], lengths_run: str = "sync-s1", steps: 
     arms = []
     for arm, knobs in LT_ARMS.items():
         threads = 2 if knobs[5] == "shared" else 1
-        own = [r["trainer_tokens_per_second"] for r in res["runs"]
-               if (2 if LT_ARMS[r["arm"]][5] == "shared" else 1) == threads]
-        rate = statistics.fmean(own) if own else None
-        slow = src.get("decode_slowdown", {}).get(str(threads))
+        same = [r for r in res["runs"] if (2 if LT_ARMS[r["arm"]][5] == "shared" else 1) == threads]
+        rate = statistics.fmean(r["trainer_tokens_per_second"] for r in same) if same else None
+        slows = [r["decode_slowdown"] for r in same if r.get("decode_run") == r["key"] and r["decode_slowdown"]]
+        slow = statistics.fmean(slows) if slows else None
         row: dict[str, Any] = {"arm": arm}
         for kind, ok, t, d in (("predicted", True, None, 1.0), ("predicted_own_trainer", rate is not None, rate, 1.0),
                                ("predicted_own_rates", rate is not None and slow is not None, rate, slow)):
@@ -491,7 +500,8 @@ def format_longtail_validation(res: dict[str, Any]) -> str:
     for r in res["runs"]:
         s = r["seconds_per_step"]
         src = r["lengths"]["run"] + ("" if r["lengths"]["run"] == r["key"] else f" × {r['lengths']['scale']:.2f}")
-        slow = "" if r["decode_slowdown"] is None else f" (decode ×{r['decode_slowdown']:.2f})"
+        of = "" if r.get("decode_run", r["key"]) == r["key"] else f" of {r['decode_run']}"
+        slow = "" if r["decode_slowdown"] is None else f" (decode ×{r['decode_slowdown']:.2f}{of})"
         cells = [f"{s['measured']:.1f}"] + [
             f"{s[k]:.1f} ({s['error' + k[9:]]}; {s['range' + k[9:]][0]:.0f}–{s['range' + k[9:]][1]:.0f})"
             if s[k] is not None else "—" for k in _KINDS]
