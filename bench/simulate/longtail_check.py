@@ -63,7 +63,7 @@ LT_ARMS = {
 LT_RUNS: dict[str, tuple[str, str, int] | None] = {
     "sync-s1": ("multiseed_longtail.json", "sync", 1),
     "async-s1": ("longtail_check_partial.json", "partial", 1),
-    "keep-s1": None,
+    "keep-s1": ("multiseed_longtail.json", "keep", 1),
 }
 #: Runs whose directory (and ``trace/``) is gone -> the run whose groups stand in for theirs. Same
 #: task and seed, so the same problems in the same order; each length is scaled by the ratio of the
