@@ -48,6 +48,16 @@ def _doc(path: Path, write: bool, check: bool) -> int:
     return 0
 
 
+def _extract(fn, pairs: list[str], noun: str, cmd: str) -> bool:
+    """Run an ``--extract KEY=RUN_DIR`` reader ``fn``; print what it wrote, or the error (False)."""
+    try:
+        print(f"{noun} " + ", ".join(fn(pairs)) + " written", file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        print(f"python -m bench.simulate {cmd}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """``validate`` | ``agents`` | ``longtail`` | ``scaling`` | ``run`` | ``doc`` (see ``--help``); returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=package_doc.split("\n\n")[0],
@@ -104,23 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "agents":
         if not a.prefill_scale > 0:  # before --extract writes anything
             ap.error("--prefill-scale must be > 0")
-        if a.extract:
-            try:
-                print("episodes of " + ", ".join(extract_episodes(a.extract)) + " written", file=sys.stderr)
-            except (ValueError, OSError) as exc:
-                print(f"python -m bench.simulate agents: {exc}", file=sys.stderr)
-                return 2
+        if a.extract and not _extract(extract_episodes, a.extract, "episodes of", "agents"):
+            return 2
         res = agent_validation(seed=a.seed, prefill_scale=a.prefill_scale)
         print(format_agent_validation(res))
     elif a.cmd == "longtail":
         if not a.prefill_scale > 0 or a.seeds < 1:  # before --extract writes anything
             ap.error("--prefill-scale must be > 0 and --seeds >= 1")
-        if a.extract:
-            try:
-                print("runs " + ", ".join(extract_runs(a.extract)) + " written", file=sys.stderr)
-            except (ValueError, OSError) as exc:
-                print(f"python -m bench.simulate longtail: {exc}", file=sys.stderr)
-                return 2
+        if a.extract and not _extract(extract_runs, a.extract, "runs", "longtail"):
+            return 2
         res = longtail_validation(seed=a.seed, prefill_scale=a.prefill_scale, seeds=a.seeds)
         print(format_longtail_validation(res))
         if a.forecast:
