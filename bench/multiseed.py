@@ -83,7 +83,13 @@ STEP_FIELDS = ("reward/mean", "reward/std", "train/behaviour_kl", "train/importa
 
 #: Run totals kept from the controller's records (their last value).
 BOOK_FIELDS = ("buffer/finished_groups", "buffer/zero_variance_groups", "buffer/zero_variance_share",
-               "buffer/restarts", "buffer/drops", "buffer/skipped_prompts", "buffer/dataset_cursor")
+               "buffer/restarts", "buffer/drops", "buffer/skipped_prompts", "buffer/dataset_cursor",
+               "buffer/skipped_zero_variance_predicted", "buffer/predicted_skips_easy",
+               "buffer/predicted_skips_hard")
+
+#: The group books kept per step (the controller's last record of each step), for the share of
+#: useful groups over a window of steps (:func:`group_shares`).
+GROUP_FIELDS = ("buffer/finished_groups", "buffer/zero_variance_groups", "buffer/skipped_zero_variance_predicted")
 
 # ----------------------------------------------------------------------------------------------
 # statistics
@@ -340,9 +346,10 @@ def read_run(run_dir: Path) -> dict:
 
     Returns:
         ``{"curve": [{minutes, step, accuracy, ci95_low, ci95_high}], "steps": [{step, minutes,
-        <STEP_FIELDS>}], "train_minutes", "final_step", "books", "idle"}`` (minutes of training wall
-        time, evaluation excluded; ``books``: the controller's last value of each
-        :data:`BOOK_FIELDS`; ``idle``: role -> mean of its ``idle_ratio/<role>`` records, a share in
+        <STEP_FIELDS>}], "train_minutes", "final_step", "books", "groups", "idle"}`` (minutes of
+        training wall time, evaluation excluded; ``books``: the controller's last value of each
+        :data:`BOOK_FIELDS`; ``groups``: ``[{step, <GROUP_FIELDS>}]``, the controller's last record of
+        each step that has them (running totals); ``idle``: role -> mean of its ``idle_ratio/<role>`` records, a share in
         [0, 1] of the wall time the role waited, from the controller's records, or the trainer's own
         when the controller has none for it).
     Raises:
@@ -350,9 +357,12 @@ def read_run(run_dir: Path) -> dict:
     """
     curve, steps, books, last_wall = [], [], {}, 0.0
     idle: dict[str, list[float]] = {}
+    groups: dict[int, dict] = {}
     for line in (run_dir / "metrics-controller.jsonl").read_text().splitlines():
         rec = json.loads(line) if line.strip() else {}
         books.update({k: v for k, v in rec.items() if k in BOOK_FIELDS})
+        if "step" in rec and all(k in rec for k in GROUP_FIELDS[:2]):
+            groups[int(rec["step"])] = {"step": int(rec["step"]), **{k: rec[k] for k in GROUP_FIELDS if k in rec}}
         for k, v in rec.items():
             if k.startswith("idle_ratio/") and isinstance(v, (int, float)):
                 idle.setdefault(k.split("/", 1)[1], []).append(float(v))
@@ -377,6 +387,7 @@ def read_run(run_dir: Path) -> dict:
     train_minutes = max(last_wall / 60.0, steps[-1]["minutes"] if steps else 0.0)
     return {"curve": curve, "steps": steps, "train_minutes": train_minutes,
             "final_step": steps[-1]["step"] if steps else 0, "books": books,
+            "groups": [groups[k] for k in sorted(groups)],
             "idle": {role: _mean(v) for role, v in sorted(idle.items()) if v}}
 
 
@@ -527,6 +538,60 @@ def run_diagnostics(run: dict) -> dict | None:
             "restarts": books.get("buffer/restarts", 0)}
 
 
+def group_shares(run: dict, first_step: int = 0, last_step: int | None = None) -> dict | None:
+    """The share of useful groups, and of prompts skipped before generation, over a window of steps.
+
+    From the run's ``groups`` records (:func:`read_run`: running totals at the end of each step),
+    the differences between the last record at or before ``first_step`` (zero totals when none)
+    and the last at or before ``last_step`` (the run's end when None). A useful group is one whose
+    samples' rewards differ (a GRPO signal); the others are the buffer's zero-variance groups
+    (docs/buffer.md). The skip share is selective rollout's predicted skips / (groups finished +
+    predicted skips) in the window.
+
+    Returns:
+        ``{"first_step", "last_step", "finished", "useful_share", "predicted_skips",
+        "predicted_skip_share"}``; None when the run has no group records or no group finished in
+        the window.
+    """
+    recs = run.get("groups") or []
+    if not recs:
+        return None
+    zero = {k: 0 for k in GROUP_FIELDS}
+    before = [r for r in recs if r["step"] <= first_step]
+    upto = [r for r in recs if last_step is None or r["step"] <= last_step]
+    if not upto:
+        return None
+    a, b = (before[-1] if before else zero), upto[-1]
+    d = {k: b.get(k, 0) - a.get(k, 0) for k in GROUP_FIELDS}
+    finished, skips = d["buffer/finished_groups"], d["buffer/skipped_zero_variance_predicted"]
+    if finished <= 0:
+        return None
+    return {"first_step": first_step, "last_step": b["step"], "finished": finished,
+            "useful_share": 1.0 - d["buffer/zero_variance_groups"] / finished,
+            "predicted_skips": skips, "predicted_skip_share": skips / (finished + skips)}
+
+
+def group_shares_markdown(report: dict, arms: Sequence[str]) -> list[str]:
+    """A table of :func:`group_shares` per run, over the whole run and over its second half (no
+    lines when no run has group records)."""
+    rows = []
+    for r in sorted(report["runs"], key=lambda r: (arms.index(r["arm"]) if r["arm"] in arms else 99, r["seed"])):
+        whole = group_shares(r)
+        if whole is None:
+            continue
+        half = group_shares(r, first_step=r["final_step"] // 2)
+        rows.append(f"| {r['arm']} s{r['seed']} | {whole['finished']} | {100 * whole['useful_share']:.1f} | "
+                    + ("— | —" if half is None else
+                       f"{half['first_step']}–{half['last_step']}: {100 * half['useful_share']:.1f} | "
+                       f"{100 * half['predicted_skip_share']:.1f}")
+                    + f" | {whole['predicted_skips']} |")
+    if not rows:
+        return []
+    return ["", "| run | groups finished | useful groups, % (whole run) | useful groups, % (second half: steps) "
+            "| prompts skipped before generation, % (second half) | prompts skipped (whole run) |",
+            "|---|---|---|---|---|---|", *rows]
+
+
 def markdown(report: dict) -> str:
     """The statistics as markdown tables: held-out accuracy per evaluation (mean [min, max] over
     seeds, then each seed), times to 60/70/80% per seed, and the bootstrap ratios."""
@@ -576,6 +641,7 @@ def markdown(report: dict) -> str:
                          f"{d['max_importance_weight']:.1f} | {d['max_clip_fraction']:.3f} | "
                          f"{d['zero_variance_share']:.2f} | {d['restarts']} |")
     lines += run_costs_markdown(report, arms)
+    lines += group_shares_markdown(report, arms)
     if st.get("ratios"):
         lines += ["", f"| time ratio {st['ratios_vs']} / arm (> 1: the arm is sooner) | 60% | 70% | 80% | "
                   f"{st['ratios_vs']}'s best (each seed's level) |", "|---|---|---|---|---|"]

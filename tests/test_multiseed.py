@@ -370,3 +370,30 @@ def test_prune_run_dir_keeps_records_and_the_newest_weights(ms, tmp_path):
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v000067"]
     assert (run / "metrics-trainer.jsonl").exists() and (run / "eval/step-50.json").exists()
     assert ms.prune_run_dir(run) == 0  # idempotent
+
+
+def test_group_books_per_step_and_useful_share_over_a_window(ms, tmp_path):
+    run = tmp_path / "selective-s1"
+    run.mkdir()
+    g = lambda step, fin, zero, skip: {"step": step, "wall_seconds": 10.0 * step, "buffer/finished_groups": fin,  # noqa: E731
+                                       "buffer/zero_variance_groups": zero,
+                                       "buffer/skipped_zero_variance_predicted": skip}
+    # two records of step 2: the last one counts; step 3 has no group books (a record without them)
+    ctl = [g(1, 8, 2, 0), g(2, 12, 4, 0), g(2, 16, 6, 1), {"step": 3, "wall_seconds": 30.0}, g(4, 36, 11, 9)]
+    (run / "metrics-controller.jsonl").write_text("\n".join(json.dumps(r) for r in ctl) + "\n")
+    tr = [{"step": s, "wall_seconds": 10.0 * s, "reward/mean": 0.5} for s in range(1, 5)]
+    (run / "metrics-trainer.jsonl").write_text("\n".join(json.dumps(r) for r in tr) + "\n")
+    rec = {**ms.read_run(run), "arm": "selective", "seed": 1}
+    assert [r["step"] for r in rec["groups"]] == [1, 2, 4] and rec["groups"][1]["buffer/finished_groups"] == 16
+    assert rec["books"]["buffer/skipped_zero_variance_predicted"] == 9
+    whole = ms.group_shares(rec)
+    assert whole["finished"] == 36 and whole["useful_share"] == pytest.approx(1 - 11 / 36)
+    assert whole["predicted_skip_share"] == pytest.approx(9 / 45)
+    half = ms.group_shares(rec, first_step=2)  # steps 3-4: 20 finished, 5 zero-variance, 8 skipped
+    assert (half["first_step"], half["last_step"], half["finished"]) == (2, 4, 20)
+    assert half["useful_share"] == pytest.approx(0.75) and half["predicted_skip_share"] == pytest.approx(8 / 28)
+    assert ms.group_shares(rec, first_step=4) is None  # nothing finished after the last record
+    assert ms.group_shares({"groups": []}) is None and ms.group_shares({}) is None
+    table = ms.group_shares_markdown({"runs": [rec, {"arm": "trl", "seed": 1, "final_step": 0}]}, ["selective"])
+    assert len(table) == 4 and table[-1].startswith("| selective s1 | 36 | 69.4 | 2–4: 75.0 | 28.6 | 9 |")
+    assert ms.group_shares_markdown({"runs": [{"arm": "trl", "seed": 1}]}, ["trl"]) == []
