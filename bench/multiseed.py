@@ -20,7 +20,10 @@ the machine hits every arm alike, and reports for each arm:
 - each run's idle ratio per role (the controller's ``idle_ratio/<role>``, the share of wall time
   the role waited, averaged over the run) and, per step, publish seconds and bytes;
 - per-step training records of every run (train reward, behaviour KL, importance weights,
-  entropy, gradient norm, staleness), so that a collapse can be read off the raw JSON.
+  entropy, gradient norm, staleness), so that a collapse can be read off the raw JSON;
+- the buffer's group books per step (groups finished, zero-variance groups, prompts selective
+  rollout skipped before generation) and, from them, each run's share of useful groups (a GRPO
+  signal) over the whole run and over its second half, where selective rollout acts.
 
 ``run.seed`` varies what each run samples (rollout engines, trainer, evaluation sampling) while
 ``data.seed`` stays fixed, so every seed of every arm sees the same prompts in the same order
@@ -39,7 +42,9 @@ Usage::
 
 Arms: the built-in ones of :data:`ARMS` (flags added to ``asyncrl train --config
 configs/smollm2_arith.yaml``), ``trl`` (TRL's GRPOTrainer, needs ``trl`` importable: see
-bench/trl_compare.py), and any ``--arm NAME="FLAGS"``.
+bench/trl_compare.py; beside asyncrl's own transformers, accelerate and datasets,
+``pip install --no-deps --target DIR trl`` and ``PYTHONPATH=DIR`` make it importable), and any
+``--arm NAME="FLAGS"``.
 """
 
 from __future__ import annotations
