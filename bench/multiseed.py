@@ -543,12 +543,13 @@ def run_diagnostics(run: dict) -> dict | None:
             "restarts": books.get("buffer/restarts", 0)}
 
 
-def group_shares(run: dict, first_step: int = 0, last_step: int | None = None) -> dict | None:
+def group_shares(run: dict, first_step: int | None = None, last_step: int | None = None) -> dict | None:
     """The share of useful groups, and of prompts skipped before generation, over a window of steps.
 
     From the run's ``groups`` records (:func:`read_run`: running totals at the end of each step),
-    the differences between the last record at or before ``first_step`` (zero totals when none)
-    and the last at or before ``last_step`` (the run's end when None). A useful group is one whose
+    the differences between the last record at or before ``first_step`` (zero totals when None,
+    the whole run from its start, or when no record is that early) and the last at or before
+    ``last_step`` (the run's end when None). A useful group is one whose
     samples' rewards differ (a GRPO signal); the others are the buffer's zero-variance groups
     (docs/buffer.md). The skip share is selective rollout's predicted skips / (groups finished +
     predicted skips) in the window.
@@ -562,7 +563,7 @@ def group_shares(run: dict, first_step: int = 0, last_step: int | None = None) -
     if not recs:
         return None
     zero = {k: 0 for k in GROUP_FIELDS}
-    before = [r for r in recs if r["step"] <= first_step]
+    before = [] if first_step is None else [r for r in recs if r["step"] <= first_step]
     upto = [r for r in recs if last_step is None or r["step"] <= last_step]
     if not upto:
         return None
@@ -571,7 +572,7 @@ def group_shares(run: dict, first_step: int = 0, last_step: int | None = None) -
     finished, skips = d["buffer/finished_groups"], d["buffer/skipped_zero_variance_predicted"]
     if finished <= 0:
         return None
-    return {"first_step": first_step, "last_step": b["step"], "finished": finished,
+    return {"first_step": 0 if first_step is None else first_step, "last_step": b["step"], "finished": finished,
             "useful_share": 1.0 - d["buffer/zero_variance_groups"] / finished,
             "predicted_skips": skips, "predicted_skip_share": skips / (finished + skips)}
 
@@ -587,7 +588,7 @@ def group_shares_markdown(report: dict, arms: Sequence[str]) -> list[str]:
         half = group_shares(r, first_step=r["final_step"] // 2)
         rows.append(f"| {r['arm']} s{r['seed']} | {whole['finished']} | {100 * whole['useful_share']:.1f} | "
                     + ("— | —" if half is None else
-                       f"{half['first_step']}–{half['last_step']}: {100 * half['useful_share']:.1f} | "
+                       f"{half['first_step'] + 1}–{half['last_step']}: {100 * half['useful_share']:.1f} | "
                        f"{100 * half['predicted_skip_share']:.1f}")
                     + f" | {whole['predicted_skips']} |")
     if not rows:

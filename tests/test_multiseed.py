@@ -392,8 +392,9 @@ def test_group_books_per_step_and_useful_share_over_a_window(ms, tmp_path):
     half = ms.group_shares(rec, first_step=2)  # steps 3-4: 20 finished, 5 zero-variance, 8 skipped
     assert (half["first_step"], half["last_step"], half["finished"]) == (2, 4, 20)
     assert half["useful_share"] == pytest.approx(0.75) and half["predicted_skip_share"] == pytest.approx(8 / 28)
+    assert ms.group_shares(rec, first_step=1)["finished"] == 28  # from the end of step 1 on
     assert ms.group_shares(rec, first_step=4) is None  # nothing finished after the last record
     assert ms.group_shares({"groups": []}) is None and ms.group_shares({}) is None
     table = ms.group_shares_markdown({"runs": [rec, {"arm": "trl", "seed": 1, "final_step": 0}]}, ["selective"])
-    assert len(table) == 4 and table[-1].startswith("| selective s1 | 36 | 69.4 | 2–4: 75.0 | 28.6 | 9 |")
+    assert len(table) == 4 and table[-1].startswith("| selective s1 | 36 | 69.4 | 3–4: 75.0 | 28.6 | 9 |")
     assert ms.group_shares_markdown({"runs": [{"arm": "trl", "seed": 1}]}, ["trl"]) == []
