@@ -245,7 +245,7 @@ class ReplayBuffer(BufferInspection, PassRateStore):
 
         ``skip``: dataset positions right after the groups that are not fed because the pass-rate
         filter removed their prompts (counted ``skipped_prompts:pass_rate_filter``); ``predicted``:
-        ``(train problem index, "easy" | "hard")`` of the positions after the groups that the
+        ``(train problem key, "easy" | "hard")`` of the positions after the groups that the
         selective-rollout rule skipped (:mod:`asyncrl.feeder.selective_rollout`; counted
         ``skipped_prompts:zero_variance_predicted`` and ``predicted_skips:<kind>``, and each
         problem's ``prompt_skips`` += 1). So cursor = groups fed + prompts skipped, by reason.
@@ -257,14 +257,14 @@ class ReplayBuffer(BufferInspection, PassRateStore):
             CursorMismatch: the stored cursor is not ``start_cursor`` (nothing written).
             DuplicateItem: a group id exists already (nothing written).
             BadRequest: bad group id, empty prompt, n outside [1, 1024], a negative ``skip``, or a
-                predicted skip with a negative problem index or a kind other than easy/hard.
+                predicted skip with a negative problem key or a kind other than easy/hard.
         """
         if skip < 0:
             raise BadRequest(f"skip must be >= 0, got {skip}")
         pred_args: list[Any] = [len(predicted)]
         for problem, kind in predicted:
             if not isinstance(problem, int) or problem < 0 or kind not in ("easy", "hard"):
-                raise BadRequest(f"predicted skip ({problem!r}, {kind!r}) needs a problem index >= 0 and kind "
+                raise BadRequest(f"predicted skip ({problem!r}, {kind!r}) needs a problem key >= 0 and kind "
                                  f"'easy' or 'hard'")
             pred_args += [problem, kind]
         args: list[Any] = [int(start_cursor), len(groups)]

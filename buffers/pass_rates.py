@@ -12,7 +12,9 @@ feeder is its only writer. Keys of the run (docs/buffer.md#pass-rate-dataset-fil
   so a resumed run (same Redis, AOF) keeps the removed prompts out and never filters an epoch twice.
 
 The selective-rollout rule (:mod:`asyncrl.feeder.selective_rollout`; docs/buffer.md#selective-rollout-skipping-predicted-zero-variance-prompts)
-reads two more hashes, both keyed by train problem index:
+reads two more hashes, both keyed by train problem key (``asyncrl.tasks.base.problem_key``, a hash of
+the problem's text, the group metadata's ``problem_key``: the same problem recurs at many positions
+of a generated task's epoch, and its history must follow it):
 
 * ``prompt_history`` -> ``"z r cursor base_z base_r"``: the zero-variance streak of the problem's
   finished groups, written by ``lua/score.lua`` when a group finishes and ``record_prompt_history`` is set.
@@ -74,7 +76,7 @@ class PassRateStore:
         return {int(k): float(v) for k, v in raw.items()}
 
     async def prompt_histories(self, problems: Sequence[int]) -> dict[int, PromptHistory]:
-        """``problem -> PromptHistory`` for each of ``problems`` (streak 0 and skips 0 without a record).
+        """``key -> PromptHistory`` for each of ``problems``, train problem keys (streak 0 and skips 0 without a record).
 
         One round trip (two ``HMGET``). A damaged ``prompt_history`` entry reads as no history.
         """

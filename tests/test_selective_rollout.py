@@ -45,7 +45,7 @@ def test_skip_probability_is_greso_with_a_floor():
 
 def test_explore_draw_is_a_deterministic_uniform_per_visit():
     assert explore_draw(3, 17, 2) == explore_draw(3, 17, 2)
-    assert len({explore_draw(0, 17, e) for e in range(50)}) == 50  # a new draw every epoch
+    assert len({explore_draw(0, 17, c) for c in range(50)}) == 50  # a new draw at every visit (dataset position)
     assert explore_draw(0, 17, 2) != explore_draw(1, 17, 2)  # and per data seed
     draws = [explore_draw(0, p, e) for p in range(100) for e in range(100)]
     assert all(0.0 <= u < 1.0 for u in draws)
@@ -70,7 +70,7 @@ def test_decide_uses_the_kind_the_streak_and_the_draw():
     visits = [(c, p) for c in range(0, 40 * N, N) for p in range(N)]
     for streak, reward, p, kind in ((1, 1.0, 0.5, "easy"), (2, 0.0, 0.9, "hard"), (4, 0.5, 0.5, "easy")):
         got = [rule.decide(c, prob, PromptHistory(streak, reward, 0)) for c, prob in visits]
-        expected = [kind if explore_draw(0, prob, c // N) < skip_probability(streak, p, 0.05) else None
+        expected = [kind if explore_draw(0, prob, c) < skip_probability(streak, p, 0.05) else None
                     for c, prob in visits]
         assert got == expected and kind in got and None in got
     # skipped max_consecutive_skips visits in a row: fed whatever the draw
@@ -148,9 +148,24 @@ async def _score_everything(buf, stream) -> int:
         for it in items:
             await buf.end_segment(it, "stop", [5, 6], [-1.0, -1.0], [it.clock_version] * 2)
             assert it.metadata["problem_index"] == stream.problem_index(it.metadata["cursor"])
+            assert it.metadata["problem_key"] == stream.problem_key(it.metadata["cursor"])
             await buf.score(it, reward=_reward(it.metadata["problem_index"], it.index))
             scored += 1
     return scored
+
+
+async def _histories(buf, stream) -> dict:
+    """Train problem index -> its :class:`PromptHistory` (the buffer keys histories by problem key)."""
+    keys = [stream.key_of_problem(p) for p in range(N)]
+    assert len(set(keys)) == N  # the N problems are distinct, so index and key name the same problem
+    hist = await buf.prompt_histories(keys)
+    return {p: hist[k] for p, k in enumerate(keys)}
+
+
+def _draw_at_visit(stream, problem: int, epoch: int) -> float:
+    """The selective rule's draw for train problem ``problem``'s visit in ``epoch``."""
+    c = next(c for c in range(epoch * N, (epoch + 1) * N) if stream.problem_index(c) == problem)
+    return explore_draw(SEED, stream.key_of_problem(problem), c)
 
 
 async def _feed_until(feeder, buf, cursor: int) -> None:
@@ -169,14 +184,14 @@ async def test_history_is_recorded_when_groups_finish_and_skips_are_counted(tiny
         feeder, stream = _feeder(buf, cfg, tokenizer)
         await _feed_until(feeder, buf, N)  # epoch 0: no history, nothing skipped
         assert feeder.skipped_prompts == 0 and await _score_everything(buf, stream) == 2 * N
-        hist = await buf.prompt_histories(range(N))
+        hist = await _histories(buf, stream)
         assert {p for p, h in hist.items() if h.streak} == EASY | HARD
         assert all(hist[p] == PromptHistory(1, 1.0, 0) for p in EASY)
         assert all(hist[p] == PromptHistory(1, 0.0, 0) for p in HARD)
 
         # epoch 1: streak 1, p = 0.5: a prompt is skipped when its draw is below 0.5
         await _feed_until(feeder, buf, 2 * N)
-        expected = {p for p in EASY | HARD if explore_draw(SEED, p, 1) < 0.5}
+        expected = {p for p in EASY | HARD if _draw_at_visit(stream, p, 1) < 0.5}
         assert expected and expected != EASY | HARD  # the data exercise both outcomes
         fed = await _fed_positions(buf, N, 2 * N)
         assert {stream.problem_index(c) for c in fed} == set(range(N)) - expected
@@ -188,12 +203,12 @@ async def test_history_is_recorded_when_groups_finish_and_skips_are_counted(tiny
         assert s["skipped_zero_variance_predicted"] == len(expected) == feeder.predicted_skips
         assert s["predicted_skips_easy"] == len(expected & EASY) and s["predicted_skips_hard"] == len(expected & HARD)
         assert s["predicted_skip_share"] == len(expected) / (N + len(fed) + len(expected))  # of all visits
-        hist = await buf.prompt_histories(range(N))
+        hist = await _histories(buf, stream)
         assert {p for p, h in hist.items() if h.skips} == expected and all(hist[p].skips == 1 for p in expected)
 
         # the fed visits finish: their streaks grow, their skip counts clear; a mixed one stays 0
         await _score_everything(buf, stream)
-        hist = await buf.prompt_histories(range(N))
+        hist = await _histories(buf, stream)
         for p in EASY | HARD:
             assert hist[p] == (PromptHistory(1, hist[p].reward, 1) if p in expected else
                                PromptHistory(2, 1.0 if p in EASY else 0.0, 0))
@@ -205,13 +220,58 @@ async def test_history_is_recorded_when_groups_finish_and_skips_are_counted(tiny
 
 
 @pytest.mark.integration
+async def test_history_follows_a_problem_that_recurs_within_an_epoch(tiny_model_dir, tokenizer, redis_url):
+    """The main job's case: a generated task draws its ~90 distinct problems (one-digit sums) at
+    the positions of one 100,000-prompt epoch, so problems recur long before the epoch ends. The
+    history is keyed by the problem (a hash of its text), so the rule acts at a problem's next visit
+    within the epoch; keyed by position in the epoch (``problem_index``) it never would."""
+    cfg = load_config(["--model_path", str(tiny_model_dir), "--rollout_batch_size", "40", "--n_samples_per_prompt",
+                       "2", "--run_name", "recurring", "--data.num_train_prompts", "100000",
+                       "--data.arithmetic.digits", "1", "--data.arithmetic.operators", "+", "--max_response_len", "8",
+                       "--max_budget", "8", "--max_staleness", "9", "--data.selective_rollout.enabled", "true"])
+    first = 60
+    async with await ReplayBuffer.open(redis_url, cfg.run.name, BufferSettings.from_config(cfg)) as buf:
+        feeder, stream = _feeder(buf, cfg, tokenizer, target_pending=first)
+        keys = [stream.problem_key(c) for c in range(first)]
+        assert len({stream.problem_index(c) for c in range(first)}) == first  # no position repeats ...
+        assert len(set(keys)) < first  # ... but problems do
+        await _feed_until(feeder, buf, first)
+        assert feeder.predicted_skips == 0  # no history yet
+        while items := await buf.claim("w", max_items=64):  # every group all-correct
+            for it in items:
+                await buf.end_segment(it, "stop", [5, 6], [-1.0, -1.0], [it.clock_version] * 2)
+                await buf.score(it, reward=1.0)
+        hist = await buf.prompt_histories(sorted(set(keys)))
+        assert all(1 <= hist[k].streak <= keys.count(k) and hist[k].reward == 1.0 for k in set(keys))
+
+        feeder.target_pending = 100
+        await _feed_until(feeder, buf, first + 100)
+        end = await buf.dataset_cursor()
+        expected_fed, skips = [], {k: 0 for k in hist}
+        for c in range(first, end):  # the rule, replayed on the history the buffer holds
+            k, h = stream.problem_key(c), None
+            h = hist.get(k)
+            if h is not None and skips[k] < cfg.data.selective_rollout.max_consecutive_skips and \
+                    explore_draw(SEED, k, c) < skip_probability(h.streak, 0.5, cfg.data.selective_rollout.explore_floor):
+                skips[k] += 1
+            else:
+                expected_fed.append(c)
+        assert await _fed_positions(buf, first, end) == expected_fed
+        skipped = sorted(set(range(first, end)) - set(expected_fed))
+        assert skipped and all(stream.problem_key(c) in hist for c in skipped)  # only problems seen before
+        books = await buf.books()
+        assert books["balanced"] and books["skipped_by_reason"] == {"zero_variance_predicted": len(skipped)}
+        assert (await buf.stats())["sampling"]["predicted_skips_easy"] == len(skipped)
+
+
+@pytest.mark.integration
 async def test_history_rules_for_late_and_repeated_finishes(redis_url):
     """An older visit finishing after a newer one changes nothing; a visit finishing again (a
     restarted group) replaces its own outcome instead of extending the streak."""
     settings = BufferSettings(rollout_batch_size=4, train_batch_groups=1, n_samples_per_prompt=2, max_staleness=9,
                               record_prompt_history=True)
     async with await ReplayBuffer.open(redis_url, "history", settings) as buf:
-        await buf.feed([buf.make_group(f"g{c}", [1], {"problem_index": 7}) for c in range(3)], 0)
+        await buf.feed([buf.make_group(f"g{c}", [1], {"problem_key": 7}) for c in range(3)], 0)
         rewards = {"g0": (1.0, 0.0), "g1": (1.0, 1.0), "g2": (1.0, 1.0)}
         items = {}
         while claimed := await buf.claim("w", max_items=8):
@@ -228,7 +288,7 @@ async def test_history_rules_for_late_and_repeated_finishes(redis_url):
         assert raw.decode() == "2 1 2 1 1"  # z r cursor base_z base_r
         # the same visit (cursor 2) finishing again, all-wrong this time: base (1, 1) + hard -> streak 1
         await buf.redis.hset(buf.prefix + "prompt_skips", "7", 4)
-        await buf.feed([buf.make_group("again", [1], {"problem_index": 7})], 3)
+        await buf.feed([buf.make_group("again", [1], {"problem_key": 7})], 3)
         await buf.redis.hset(buf.prefix + "group:again", "feed_index", 2)
         for it in await buf.claim("w", max_items=8):
             await buf.end_segment(it, "stop", [5], [-1.0], [0])
@@ -278,7 +338,7 @@ async def _run_epochs(redis_server, cfg, tokenizer, epochs: int, kill_at: int | 
             await _score_everything(buf, stream)
         end = await buf.dataset_cursor()
         return {"end": end, "killed_at": killed_at, "fed": await _fed_positions(buf, 0, end),
-                "books": await buf.books(), "history": await buf.prompt_histories(range(N))}
+                "books": await buf.books(), "history": await _histories(buf, stream)}
     finally:
         await buf.close()
 
@@ -313,14 +373,14 @@ async def test_selective_rollout_composes_with_the_pass_rate_filter(tiny_model_d
         await _feed_until(feeder, buf, 2 * N)
         removed = set(sorted(EASY)[:4])  # floor(20 * 0.2) = 4 all-correct prompts, lowest index first
         assert set(await buf.filtered_prompts()) == removed
-        predicted = {p for p in (EASY | HARD) - removed if explore_draw(SEED, p, 1) < 0.5}
+        predicted = {p for p in (EASY | HARD) - removed if _draw_at_visit(stream, p, 1) < 0.5}
         assert predicted & EASY and predicted & HARD
         fed = {stream.problem_index(c) for c in await _fed_positions(buf, N, 2 * N)}
         assert fed == set(range(N)) - removed - predicted  # each position has exactly one fate
         books = await buf.books()
         assert books["balanced"], books
         assert books["skipped_by_reason"] == {"pass_rate_filter": len(removed), "zero_variance_predicted": len(predicted)}
-        hist = await buf.prompt_histories(range(N))
+        hist = await _histories(buf, stream)
         assert {p for p, h in hist.items() if h.skips} == predicted  # filtered prompts are not predicted skips
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from asyncrl.core.config import ArithmeticConfig, DataConfig
-from asyncrl.tasks.base import HELDOUT_PERCENT, is_heldout, problem_hash
+from asyncrl.tasks.base import HELDOUT_PERCENT, is_heldout, problem_hash, problem_key
 from asyncrl.tasks.generated import ArithmeticTask
 from asyncrl.tasks.tasks import (
     FileTask,
@@ -57,6 +57,19 @@ def test_arithmetic_gold_answers_and_knobs():
         assert p.gold == str(sum(terms)) == p.metadata["gold"]
         assert p.text == f"What is {expr}?"
         assert p.metadata["task"] == "arithmetic" and p.metadata["split"] == "train"
+
+
+def test_problem_key_names_the_problem_wherever_it_recurs():
+    """Selective rollout's history key: equal for the same problem text at any position, below 10**14."""
+    assert problem_key("What is 3 + 4?") == problem_key("What is  3 +\n4?") == int(problem_hash("What is 3 + 4?")[:10], 16)
+    assert problem_key("What is 3 + 4?") != problem_key("What is 4 + 3?")
+    task = _arith(num_train=2000, digits=1, operators="+")  # ~90 distinct train problems at 2,000 positions
+    by_text: dict[str, set[int]] = {}
+    for i in range(2000):
+        by_text.setdefault(task.train_problem(i).text, set()).add(problem_key(task.train_problem(i).text))
+    assert len(by_text) < 100 and all(len(keys) == 1 for keys in by_text.values())
+    keys = {next(iter(k)) for k in by_text.values()}
+    assert len(keys) == len(by_text) and all(0 <= k < 2**40 < 10**14 for k in keys)
 
 
 def test_arithmetic_splits_are_disjoint_by_hash():

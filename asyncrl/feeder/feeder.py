@@ -29,7 +29,8 @@ never across an epoch boundary, where the filter runs first. With selective roll
 (``data.selective_rollout.enabled``, :mod:`asyncrl.feeder.selective_rollout`, GRESO) the positions of
 prompts predicted to give zero-variance groups are skipped the same way (counted
 ``skipped_prompts:zero_variance_predicted``), and each group's metadata carries its train
-``problem_index`` so that the buffer can update the problem's history when the group finishes.
+``problem_index`` and ``problem_key`` (a hash of the problem's text) so that the buffer can update
+the problem's history, keyed by ``problem_key``, when the group finishes.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Feeder:
             meta = dict(prompt.problem.metadata)
             if self.selective is not None:  # score.lua updates this problem's history when the group finishes
                 meta["problem_index"] = self.stream.problem_index(c)
+                meta["problem_key"] = self.stream.problem_key(c)  # the history's key: the problem, wherever it recurs
             groups.append(PromptGroup(group_id_for(c), list(prompt.prompt_ids), meta, self.n_samples))
         return groups
 
@@ -160,11 +162,14 @@ class Feeder:
 
     async def _reasons(self, start: int, stop: int) -> list[tuple[int, str | None]]:
         """``(problem, reason)`` for positions ``start .. stop - 1``: ``filter`` (removed by the
-        pass-rate filter), ``easy`` / ``hard`` (skipped by the selective rule) or None (fed)."""
-        problems = [self.stream.problem_index(c) for c in range(start, stop)]
+        pass-rate filter), ``easy`` / ``hard`` (skipped by the selective rule) or None (fed).
+        ``problem`` is the problem's key (``TrainPromptStream.problem_key``), the selective rule's
+        history key, when the rule is on, else its index."""
         if self.selective is not None:
+            problems = [self.stream.problem_key(c) for c in range(start, stop)]
             decided = await self.selective.decisions(start, stop)
         else:
+            problems = [self.stream.problem_index(c) for c in range(start, stop)]
             decided = [None] * len(problems)
         out = []
         for c, problem, d in zip(range(start, stop), problems, decided):

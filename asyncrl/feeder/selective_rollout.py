@@ -12,15 +12,19 @@ always solves (An et al. 2025, https://hkunlp.github.io/blog/2025/Polaris; no ar
 
 * **History** (buffer side, ``buffers/lua/score.lua``): when a group of train problem i finishes,
   i's *streak* z_i = the number of its finished visits in a row, the latest included, whose groups
-  were zero-variance with the same common reward (0 when the latest group was mixed). Zero variance
+  were zero-variance with the same common reward (0 when the latest group was mixed). i is the
+  problem's key (:func:`asyncrl.tasks.base.problem_key`, a hash of its text), not its position in
+  the epoch: a generated task (the main job's arithmetic) draws its few hundred problems at many
+  positions of one 100,000-prompt epoch, and the history must follow the problem across them. Zero variance
   is the buffer's own test (all kept rewards exactly equal: ``zero_variance_groups``). The prompt is
   *easy* when that common raw reward is >= ``easy_reward_threshold`` (all-correct), else *hard*.
-* **Rule** (this module, at the feeder): at a visit of problem i in epoch e, with z_i > 0,
+* **Rule** (this module, at the feeder): at a visit of problem i at dataset position c, with z_i > 0,
   ``p_skip = 1 - max(p**z_i, explore_floor)`` with p = ``p_easy`` or ``p_hard`` — GRESO's
   ``skip_probability = 1 - max(p ** count, 0.01)`` with the floor configurable (p_min > 0, so a
   prompt is fed with probability >= p_min at every visit). The prompt is skipped when
-  ``u(seed, i, e) < p_skip``, u a uniform draw that is a pure function of (``data.seed``, i, e)
-  (BLAKE2b), so a restarted feeder makes the same decision for the same visit. On top, a prompt
+  ``u(seed, i, c) < p_skip``, u a uniform draw that is a pure function of (``data.seed``, i, c)
+  (BLAKE2b), so a restarted feeder makes the same decision for the same visit, and each visit
+  draws anew (also the visits of one problem within an epoch). On top, a prompt
   skipped at ``max_consecutive_skips`` visits in a row (``prompt_skips``, kept by the feed script
   and cleared when a group of it finishes) is fed at the next one: no prompt is skipped forever.
 * **Books**: a skipped position is counted by the feed script that moves the cursor past it —
@@ -58,13 +62,14 @@ def skip_probability(streak: int, p_explore: float, explore_floor: float) -> flo
     return 1.0 - max(p_explore ** streak, explore_floor)
 
 
-def explore_draw(seed: int, problem: int, epoch: int) -> float:
-    """A uniform number in [0, 1) that depends only on (``seed``, ``problem``, ``epoch``).
+def explore_draw(seed: int, problem: int, cursor: int) -> float:
+    """A uniform number in [0, 1) that depends only on (``seed``, ``problem``, ``cursor``).
 
-    The first 8 bytes of ``BLAKE2b("selective-rollout:{seed}:{problem}:{epoch}")`` over 2**64: the
-    same in every process and Python version (unlike ``hash``), independent across epochs.
+    The first 8 bytes of ``BLAKE2b("selective-rollout:{seed}:{problem}:{cursor}")`` over 2**64: the
+    same in every process and Python version (unlike ``hash``), independent across visits
+    (``cursor``: the visit's dataset position).
     """
-    digest = hashlib.blake2b(f"selective-rollout:{seed}:{problem}:{epoch}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"selective-rollout:{seed}:{problem}:{cursor}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0 ** 64
 
 
@@ -73,7 +78,7 @@ class SelectiveRollout:
 
     Args:
         buffer: an open :class:`buffers.ReplayBuffer` (``prompt_histories``).
-        stream: the run's :class:`asyncrl.tasks.tasks.TrainPromptStream` (``len``, ``problem_index``, ``seed``).
+        stream: the run's :class:`asyncrl.tasks.tasks.TrainPromptStream` (``problem_key``, ``seed``).
         cfg: ``data.selective_rollout`` (:class:`asyncrl.core.config_sections.SelectiveRolloutConfig`).
 
     Raises:
@@ -98,19 +103,18 @@ class SelectiveRollout:
         return "easy" if reward >= self.cfg.easy_reward_threshold else "hard"
 
     def decide(self, cursor: int, problem: int, history: Any) -> str | None:
-        """``"easy"`` / ``"hard"`` when the visit at ``cursor`` (of ``problem``, with its
-        :class:`buffers.pass_rates.PromptHistory`) is skipped, None when it is fed."""
+        """``"easy"`` / ``"hard"`` when the visit at ``cursor`` (of the problem with key ``problem``,
+        with its :class:`buffers.pass_rates.PromptHistory`) is skipped, None when it is fed."""
         if history.streak <= 0 or history.reward is None or history.skips >= self.cfg.max_consecutive_skips:
             return None
         kind = self.kind(history.reward)
         p = self.cfg.p_easy if kind == "easy" else self.cfg.p_hard
-        epoch = cursor // len(self.stream)
-        if explore_draw(self.stream.seed, problem, epoch) < skip_probability(history.streak, p, self.cfg.explore_floor):
+        if explore_draw(self.stream.seed, problem, cursor) < skip_probability(history.streak, p, self.cfg.explore_floor):
             return kind
         return None
 
     async def decisions(self, start: int, stop: int) -> list[str | None]:
         """:meth:`decide` for the positions ``start .. stop - 1`` (one buffer round trip)."""
-        problems = [self.stream.problem_index(c) for c in range(start, stop)]
+        problems = [self.stream.problem_key(c) for c in range(start, stop)]
         histories = await self.buffer.prompt_histories(sorted(set(problems)))
         return [self.decide(c, p, histories[p]) for c, p in zip(range(start, stop), problems)]

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HELDOUT_PERCENT", "Problem", "Task", "problem_hash", "is_heldout"]
+__all__ = ["HELDOUT_PERCENT", "Problem", "Task", "problem_hash", "problem_key", "is_heldout"]
 
 #: Default percentage of the problem space (by hash) held out for evaluation (``data.heldout_percent``).
 HELDOUT_PERCENT = 10
@@ -42,6 +42,19 @@ def _canonical(text: str) -> str:
 def problem_hash(text: str) -> str:
     """Hex sha256 (first 16 hex digits) of the whitespace-normalised problem text."""
     return hashlib.sha256(_canonical(text).encode("utf-8")).hexdigest()[:16]
+
+
+def problem_key(text: str) -> int:
+    """A problem's identity as an integer in [0, 2**40): the first 10 hex digits of :func:`problem_hash`.
+
+    The same problem text gives the same key wherever it recurs in the train stream (a generated
+    task draws each of its problems at many positions of one epoch; a file task's row recurs once
+    per epoch), so per-problem history (selective rollout, docs/buffer.md) follows the problem, not
+    its position. Below 10**14, so Redis' Lua (5.1, which prints numbers with ``%.14g``) keeps it
+    exact. Two distinct problems share a key with probability about n**2 / 2**41 for n distinct
+    problems (0.5% at 100,000); they would then share one history.
+    """
+    return int(problem_hash(text)[:10], 16)
 
 
 def is_heldout(hash_hex: str, percent: int = HELDOUT_PERCENT) -> bool:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 from asyncrl.core.choices import FILE_TASKS
 from asyncrl.core.config import DataConfig
 import asyncrl.tasks.generated  # noqa: F401  (registers the built-in arithmetic and chain tasks)
-from asyncrl.tasks.base import HELDOUT_PERCENT, Problem, Task, is_heldout, problem_hash
+from asyncrl.tasks.base import HELDOUT_PERCENT, Problem, Task, is_heldout, problem_hash, problem_key
 from asyncrl.tasks.registry import TaskError, register_task, task_factory
 
 __all__ = [
@@ -318,6 +318,16 @@ class TrainPromptStream:
             raise ValueError(f"cursor must be >= 0, got {cursor}")
         epoch, pos = divmod(cursor, self.task.num_train())
         return self._order_for(epoch)[pos]
+
+    def problem_key(self, cursor: int) -> int:
+        """Identity of the train problem at ``cursor`` (>= 0): :func:`asyncrl.tasks.base.problem_key` of
+        its text, equal at every position where the same problem recurs (within an epoch too: a
+        generated task draws its problems with replacement, so ``problem_index`` differs there)."""
+        return self.key_of_problem(self.problem_index(cursor))
+
+    def key_of_problem(self, index: int) -> int:
+        """:func:`asyncrl.tasks.base.problem_key` of train problem ``index`` (0 <= index < ``len(self)``)."""
+        return problem_key(self.task.train_problem(index).text)
 
     def get(self, cursor: int) -> Prompt:
         """The prompt at ``cursor`` (>= 0)."""

@@ -1,7 +1,7 @@
 -- feed: append prompt groups and move the dataset cursor, atomically (compare-and-set on the cursor).
 -- ARGV[12] = start_cursor, ARGV[13] = count, then per group 4 args: gid, prompt (packed int32), metadata JSON, n,
 -- then `skip`: dataset positions after the groups that the pass-rate filter keeps out (counted
--- skipped_prompts:pass_rate_filter), then `npred` and per position 2 args (train problem index, 'easy'|'hard'):
+-- skipped_prompts:pass_rate_filter), then `npred` and per position 2 args (train problem key, 'easy'|'hard'):
 -- positions after the groups that the selective-rollout rule skipped (GRESO: predicted zero-variance; counted
 -- skipped_prompts:zero_variance_predicted and predicted_skips:<kind>, and prompt_skips[problem] += 1).
 -- The cursor moves past the groups and every skipped position.
@@ -23,7 +23,7 @@ end
 for j = 0, npred - 1 do
   local problem, kind = ARGV[pbase + 2 * j], ARGV[pbase + 2 * j + 1]
   if not problem or not string.match(problem, '^%d+$') or (kind ~= 'easy' and kind ~= 'hard') then
-    return err('BAD_REQUEST', 'predicted skip ' .. j .. ' needs a problem index >= 0 and kind easy or hard')
+    return err('BAD_REQUEST', 'predicted skip ' .. j .. ' needs a problem key >= 0 and kind easy or hard')
   end
 end
 for j = 0, count - 1 do

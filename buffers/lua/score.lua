@@ -5,7 +5,7 @@
 -- of n > NSAMP (the rest DISCARDED, counted discarded_best_of_n); a group whose kept rewards are
 -- all equal is counted zero_variance_groups and, with dynamic sampling, dropped (zero_variance);
 -- with record_pass_rates the group's mean reward over every scored sample goes to pass_rates;
--- with record_prompt_history the group's train problem (metadata problem_index) gets its zero-variance
+-- with record_prompt_history the group's train problem (metadata problem_key) gets its zero-variance
 -- streak updated in prompt_history and its consecutive skips cleared (selective rollout, GRESO).
 -- A failed sample is counted in failed_samples and in failed_samples:<reason> (reward_timeout when
 -- the error starts with 'RewardTimeout:', workflow_error when it starts with 'WorkflowError:' (an
@@ -22,7 +22,7 @@ local function run_settings()
   if not _cfg then _cfg = cjson.decode(redis.call('GET', k('settings')) or '{}') end
   return _cfg
 end
--- Selective rollout (GRESO, arXiv:2506.02177): the visit of train problem `meta.problem_index` at dataset
+-- Selective rollout (GRESO, arXiv:2506.02177): the visit of train problem `meta.problem_key` at dataset
 -- position `feed_index` finished, zero-variance (`zv`, common reward string `r`) or mixed. prompt_history
 -- holds per problem "z r cursor base_z base_r": z = finished visits in a row, up to this one, whose groups
 -- were zero-variance with the same common reward r (0: the latest was mixed), cursor = the latest
@@ -32,7 +32,7 @@ end
 local function record_history(gk, zv, r)
   local f = redis.call('HMGET', gk, 'meta', 'feed_index')
   local ok, meta = pcall(cjson.decode, f[1] or '')
-  local problem = ok and type(meta) == 'table' and tonumber(meta.problem_index)
+  local problem = ok and type(meta) == 'table' and tonumber(meta.problem_key)
   local cursor = tonumber(f[2])
   if not problem or not cursor then return end  -- a group the feeder did not make (tests, tools)
   problem = tostring(math.floor(problem))
