@@ -233,8 +233,8 @@ async def test_history_follows_a_problem_that_recurs_within_an_epoch(tiny_model_
     async with await ReplayBuffer.open(redis_url, cfg.run.name, BufferSettings.from_config(cfg)) as buf:
         feeder, stream = _feeder(buf, cfg, tokenizer, target_pending=first)
         keys = [stream.problem_key(c) for c in range(first)]
-        assert len({stream.problem_index(c) for c in range(first)}) == first  # no position repeats ...
-        assert len(set(keys)) < first  # ... but problems do
+        assert len({stream.problem_index(c) for c in range(first)}) == first  # no position index repeats,
+        assert len(set(keys)) < first  # but problems do
         await _feed_until(feeder, buf, first)
         assert feeder.predicted_skips == 0  # no history yet
         while items := await buf.claim("w", max_items=64):  # every group all-correct

@@ -167,7 +167,7 @@ class Feeder:
         history key, when the rule is on, else its index."""
         if self.selective is not None:
             problems = [self.stream.problem_key(c) for c in range(start, stop)]
-            decided = await self.selective.decisions(start, stop)
+            decided = await self.selective.decisions(start, problems)
         else:
             problems = [self.stream.problem_index(c) for c in range(start, stop)]
             decided = [None] * len(problems)

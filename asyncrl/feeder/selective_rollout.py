@@ -78,7 +78,7 @@ class SelectiveRollout:
 
     Args:
         buffer: an open :class:`buffers.ReplayBuffer` (``prompt_histories``).
-        stream: the run's :class:`asyncrl.tasks.tasks.TrainPromptStream` (``problem_key``, ``seed``).
+        stream: the run's :class:`asyncrl.tasks.tasks.TrainPromptStream` (its ``seed``; the feeder passes the positions' problem keys).
         cfg: ``data.selective_rollout`` (:class:`asyncrl.core.config_sections.SelectiveRolloutConfig`).
 
     Raises:
@@ -113,8 +113,8 @@ class SelectiveRollout:
             return kind
         return None
 
-    async def decisions(self, start: int, stop: int) -> list[str | None]:
-        """:meth:`decide` for the positions ``start .. stop - 1`` (one buffer round trip)."""
-        problems = [self.stream.problem_key(c) for c in range(start, stop)]
+    async def decisions(self, start: int, problems: list[int]) -> list[str | None]:
+        """:meth:`decide` for the positions ``start, start + 1, ...`` holding the problems with keys
+        ``problems`` (``stream.problem_key`` of each position; one buffer round trip)."""
         histories = await self.buffer.prompt_histories(sorted(set(problems)))
-        return [self.decide(c, p, histories[p]) for c, p in zip(range(start, stop), problems)]
+        return [self.decide(c, p, histories[p]) for c, p in enumerate(problems, start)]
