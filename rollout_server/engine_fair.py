@@ -67,7 +67,7 @@ __all__ = ["EngineFair", "MIXED_STEP_OVERHEAD_ROWS", "STEP_OVERHEAD_ROWS", "TOP_
 STEP_OVERHEAD_ROWS = 2.0
 #: ``γ`` of the step cost model: the cost of one top logprob of one row, in plain rows. It covers the
 #: engine's top-k and the server's side: a stream's chunks carry every top logprob (a cumulative stream
-#: resends them, about 9 times in all), built on the same process's GIL as the decode loop; 0.05 left
+#: resends them, at most about 10 times in all), built on the same process's GIL as the decode loop; 0.05 left
 #: the server's CPU time beside a maximal request at 1.6-2.3x the small requests' own, 0.1 gives it room
 TOP_LOGPROB_WEIGHT = 0.1
 #: the extra cost of a step that runs big rows beside small ones, in plain rows: a second sampling path

@@ -15,8 +15,11 @@ from rollout_server.requests import CumulativeArrays, IncrementalDetokenizer, de
 
 __all__ = ["CUMULATIVE_GROWTH", "SampleStream"]
 
-#: a cumulative stream's next chunk waits until its output grew by 1/this: a stream costs at most
-#: about ``this + 1`` times its final response, whatever its length (issue #31 item 1)
+#: a cumulative stream's next chunk waits until its output grew by 1/this (rounded up): the chunks
+#: before the last grow geometrically by at least ``1 + 1/this``, so they add up to at most ``this + 1``
+#: times the longest of them, which can be one token short of the final response; with the final
+#: chunk a stream sends at most about ``this + 2`` times its final response, whatever its length
+#: (issue #31 item 1)
 CUMULATIVE_GROWTH = 8
 
 
@@ -42,7 +45,9 @@ class SampleStream:
         """The snapshot ``(n, finish)`` to send now, or None while the chunk spacing says wait.
 
         A cumulative chunk resends everything, so they are spaced by what they carry: at least
-        ``sent × (1 + top_logprobs_num) / cumulative_entries`` and ``sent / CUMULATIVE_GROWTH`` new tokens.
+        ``sent × (1 + top_logprobs_num) / cumulative_entries`` and ``sent / CUMULATIVE_GROWTH`` new tokens,
+        both rounded up (rounded down, ``sent // 8`` let chunks of 8–15 tokens grow by one token each,
+        less than the 1/8 the bound on a stream's bytes assumes).
         """
         if self.done:
             return None
@@ -51,7 +56,7 @@ class SampleStream:
         gap = s.params.stream_interval or stream_interval
         if not self.incremental:
             per_token = 1 + (s.top_logprobs_num if s.return_logprob else 0)
-            gap = max(gap, -(-self.sent * per_token // cumulative_entries), self.sent // CUMULATIVE_GROWTH)
+            gap = max(gap, -(-self.sent * per_token // cumulative_entries), -(-self.sent // CUMULATIVE_GROWTH))
         if fin is None and (n == 0 or n - self.sent < gap):
             return None
         return n, fin
