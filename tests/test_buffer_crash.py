@@ -67,7 +67,9 @@ def run_round(redis_server, tmp_path: Path, seed: int, kill_redis: bool) -> dict
                 break
             for name, p in procs.items():
                 rc = p.poll()
-                if rc is None or (name == "feeder" and rc == 0):
+                # the feeder ends when it has fed; the trainer may finish between the poll above
+                # and this one (the next pass breaks out)
+                if rc is None or (name in ("feeder", "trainer") and rc == 0):
                     continue
                 if rc != -signal.SIGKILL:
                     err = p.stderr.read() if p.stderr else ""

@@ -170,6 +170,19 @@ def test_loop_phases_publish_ack_checkpoint_resume_and_stop(tmp_path, tiny_model
     assert (trainer.checkpoint_dir / "latest").read_text() == "step00000002"
     assert sorted(p.name for p in trainer.checkpoint_dir.iterdir() if p.is_dir()) == ["step00000002"]
     assert (trainer.checkpoint_dir / "step00000002" / "config.yaml").is_file()
+
+    # a kill -9 between step 2's checkpoint and its line (here: the line lost, a torn fragment
+    # left): the resume writes the record kept with the checkpoint, once
+    jsonl_path = tmp_path / "t" / "metrics" / "trainer.jsonl"
+    jsonl_path.write_text(lines[0] + "\n" + '{"step": 2.0, "lo')
+    assert trainer.load_checkpoint() == {"cursor": 2} and trainer.checkpoint_step_record["step"] == 2.0
+    for _ in range(2):
+        assert train_loop(trainer, source, stop=stop).steps == 0
+        restored = [json.loads(x) for x in jsonl_path.read_text().splitlines()]
+        assert [r["step"] for r in restored] == [1.0, 2.0]
+        assert restored[1]["record_restored"] == 1.0 and "checkpoint_seconds" not in restored[1]
+        assert {k: v for k, v in restored[1].items() if k != "record_restored"} == {
+            k: v for k, v in rec.items() if k not in ("checkpoint_seconds",)}
     trainer.close()
 
 

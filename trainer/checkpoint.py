@@ -39,12 +39,17 @@ class TrainerCheckpoints:
     ``published_version(s)``, ``lineage``) and ``_barrier``.
     """
 
-    def save_checkpoint(self, extra_state: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(self, extra_state: dict[str, Any] | None = None,
+                        step_record: dict[str, float] | None = None) -> Path:
         """Save model, optimizer, step, versions, lineage, RNG and ``extra_state`` (dataset cursor).
 
         Written by DeepSpeed into ``<run_dir>/checkpoints/step<step:08d>/``, plus the resolved
         config (``config.yaml``); ``latest`` is replaced atomically only after every rank
         finished, and checkpoints beyond ``keep_checkpoints`` are removed. Collective.
+
+        ``step_record`` (rank 0): the step's metrics record as known before the checkpoint, kept
+        in ``asyncrl.json`` so that a resume can write it if a crash lost the step's line
+        (:func:`trainer.loop.train_loop`).
 
         Returns:
             the checkpoint directory.
@@ -76,7 +81,7 @@ class TrainerCheckpoints:
         if self.rank == 0:
             dump_config(self.cfg, path / "config.yaml")
             meta = {"tag": tag, "step": self.step, "policy_version": self.published_version,
-                    "lineage": self.lineage, "extra_state": extra_state or {}}
+                    "lineage": self.lineage, "extra_state": extra_state or {}, "step_record": step_record}
             (path / "asyncrl.json").write_text(json.dumps(meta, indent=2))
             tmp = self.checkpoint_dir / "latest.tmp"
             with open(tmp, "w") as f:
@@ -99,7 +104,8 @@ class TrainerCheckpoints:
         this run died before its first checkpoint; the caller rewinds the buffer to step 0).
 
         Collective. The LR schedule needs no state of its own: it is a function of the restored
-        :attr:`optimizer_steps`.
+        :attr:`optimizer_steps`. On rank 0 :attr:`checkpoint_step_record` becomes the step record
+        kept with the checkpoint (None if it has none).
 
         Raises:
             CheckpointError: ``tag`` missing, files incomplete, or saved with another world size
@@ -132,6 +138,14 @@ class TrainerCheckpoints:
         self.published_versions = list(state["published_versions"])
         self.lineage = int(state["lineage"])
         self._load_critic_and_reference(tag)
+        self.checkpoint_step_record = None
+        if self.rank == 0:
+            try:
+                meta = json.loads((self.checkpoint_dir / tag / "asyncrl.json").read_text())
+            except (OSError, ValueError):
+                meta = {}  # a checkpoint named by tag whose rank 0 died before writing it
+            if isinstance(meta.get("step_record"), dict):
+                self.checkpoint_step_record = meta["step_record"]
         rng = client.get("rng") or {}
         if "torch" in rng:
             torch.set_rng_state(rng["torch"])

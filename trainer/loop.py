@@ -142,6 +142,7 @@ def train_loop(
     if trainer.rank == 0 and cfg.monitoring.jsonl:
         path = Path(cfg.run.run_dir) / "metrics" / "trainer.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        _restore_checkpointed_record(path, trainer)
         jsonl = open(path, "a")
     done_here = 0
     reason = "total_steps"
@@ -193,13 +194,18 @@ def train_loop(
                 with timer.phase("publish_weights"):
                     pub = trainer.publish_weights()
                 step_metrics.update({k: v for k, v in pub.items() if isinstance(v, float)})
+            record: dict[str, float] = {}
+            if trainer.rank == 0:
+                record = {"step": float(trainer.step), **plan.metrics, **step_metrics}
             if trainer.step % cfg.trainer.checkpoint_interval == 0 or stop.is_set() or trainer.step >= cfg.run.total_steps:
                 with timer.phase("checkpoint"):
-                    _checkpoint(trainer, source, metrics, stopping=stop.is_set())
+                    # the record so far goes into the checkpoint: a kill between the checkpoint and
+                    # the line below would otherwise lose the step's line for good
+                    pending = {**record, **{f"{k}_seconds": v for k, v in timer.seconds.items()}}
+                    _checkpoint(trainer, source, metrics, stopping=stop.is_set(), step_record=pending or None)
             done_here += 1
             if trainer.rank == 0:
-                record = {"step": float(trainer.step), **plan.metrics, **step_metrics,
-                          **{f"{k}_seconds": v for k, v in timer.seconds.items()}}
+                record.update({f"{k}_seconds": v for k, v in timer.seconds.items()})
                 exported = getattr(source, "export_seconds", None)
                 if exported is not None:  # the sample timeline's export in this step (part of checkpoint_seconds)
                     record["timeline_export_seconds"] = exported - export_seen
@@ -214,8 +220,10 @@ def train_loop(
                     _export(metrics, record, trainer)
                 if on_step is not None:
                     on_step(record)
-        if reason == "stopped":
-            _checkpoint(trainer, source, metrics, stopping=True)
+        if reason == "stopped":  # a checkpoint of the step already recorded: it keeps that step's record
+            last = history[-1] if history else getattr(trainer, "checkpoint_step_record", None)
+            kept = last if trainer.rank == 0 and last and int(last.get("step", -1)) == trainer.step else None
+            _checkpoint(trainer, source, metrics, stopping=True, step_record=kept)
     finally:
         if jsonl is not None:
             jsonl.close()
@@ -248,8 +256,43 @@ def _combine(per_minibatch: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _checkpoint(trainer: Any, source: Any, metrics: Any = None, stopping: bool = False) -> None:
-    """Write a checkpoint (with the source's state); its write time and result go to
+def _restore_checkpointed_record(path: Path, trainer: Any) -> None:
+    """Append the resumed checkpoint's step record to ``trainer.jsonl`` if the file lacks it.
+
+    A step's line is written after its checkpoint (it carries ``checkpoint_seconds``), so a
+    ``kill -9`` between the two would lose it: the resumed trainer starts after the checkpoint
+    and never repeats the step. The checkpoint keeps the record as it stood before the write
+    (:meth:`trainer.checkpoint.TrainerCheckpoints.save_checkpoint`); it is missing exactly when the
+    file's last step is below the checkpoint's (a record of a later step means the trainer
+    went on past the checkpoint, so the line was written). The restored line carries
+    ``record_restored: 1.0`` and no ``checkpoint_seconds``. A torn last line (a partial write,
+    e.g. a full disk) is cut off first: it is an incomplete record of the same step.
+    """
+    saved = getattr(trainer, "checkpoint_step_record", None)
+    if not saved or int(saved.get("step", -1)) != trainer.step:
+        return
+    last, whole = -1, 0
+    if path.is_file():
+        text = path.read_text()
+        whole = len(text.encode()) if text.endswith("\n") else len(text[:text.rfind("\n") + 1].encode())
+        for line in text.splitlines():
+            try:
+                last = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn line
+    if last >= trainer.step:
+        return
+    with open(path, "a") as f:
+        f.truncate(whole)
+        f.write(json.dumps({**saved, "record_restored": 1.0}) + "\n")
+    print(f"trainer.jsonl lacked step {trainer.step}, the step of the resumed checkpoint: its record, "
+          "kept with the checkpoint, was written", file=sys.stderr, flush=True)
+
+
+def _checkpoint(trainer: Any, source: Any, metrics: Any = None, stopping: bool = False,
+                step_record: dict[str, float] | None = None) -> None:
+    """Write a checkpoint (with the source's state and ``step_record``, see
+    :func:`_restore_checkpointed_record`); its write time and result go to
     ``asyncrl_trainer_checkpoint_duration_seconds`` / ``asyncrl_trainer_checkpoints_total``
     when ``metrics`` (rank 0's TrainerMetrics) is given. Re-raises a failed write.
 
@@ -265,7 +308,7 @@ def _checkpoint(trainer: Any, source: Any, metrics: Any = None, stopping: bool =
                              f"the stop's checkpoint of step {trainer.step} is written without the dataset cursor")
     start = time.perf_counter()
     try:
-        trainer.save_checkpoint(state)
+        trainer.save_checkpoint(state, step_record=step_record)
     except BaseException:
         if metrics is not None:
             metrics.checkpoints.labels("error").inc()

@@ -210,6 +210,8 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
         self.published_version = 0
         self.published_versions: list[int] = []
         self.lineage = 0
+        #: the record (trainer.jsonl line) of the step the loaded checkpoint holds, or None
+        self.checkpoint_step_record: dict[str, float] | None = None
         self.announce = announce
         run_dir = Path(cfg.run.run_dir)
         self.weights_dir = Path(cfg.weight_sync.dir) if cfg.weight_sync.dir else run_dir / "weights"
