@@ -274,7 +274,7 @@ def _restore_checkpointed_record(path: Path, trainer: Any) -> None:
     last, whole = -1, 0
     if path.is_file():
         text = path.read_text()
-        whole = len(text.encode()) if text.endswith("\n") else len(text[:text.rfind("\n") + 1].encode())
+        whole = len(text[:text.rfind("\n") + 1].encode())  # up to the last full line
         for line in text.splitlines():
             try:
                 last = int(json.loads(line)["step"])
