@@ -494,7 +494,8 @@ def plot(report: dict, path: Path) -> None:
 
     key = "step" if report["settings"].get("steps") else "minutes"
     fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red", "tab:brown", "tab:pink", "tab:gray"]
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red", "tab:brown", "tab:pink", "tab:gray",
+              "tab:olive", "tab:cyan"]  # ten arms before a colour repeats
     for (arm, st), color in zip(report["stats"]["arms"].items(), colors * 4):
         for r in (r for r in report["runs"] if r["arm"] == arm):
             ax.plot([p[key] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=color, lw=0.6, alpha=0.45)
