@@ -64,6 +64,8 @@ LT_RUNS: dict[str, tuple[str, str, int] | None] = {
     "sync-s1": ("multiseed_longtail.json", "sync", 1),
     "async-s1": ("longtail_check_partial.json", "partial", 1),
     "keep-s1": ("multiseed_longtail.json", "keep", 1),
+    "sync-s2": None,
+    "async-s2": None,
 }
 #: Runs whose directory (and ``trace/``) is gone -> the run whose groups stand in for theirs. Same
 #: task and seed, so the same problems in the same order; each length is scaled by the ratio of the
@@ -80,6 +82,10 @@ _STEP_FIELDS = ("time/step_seconds", "time/wait_batch_seconds", "time/publish_se
 
 def _arm(key: str) -> str:
     return key.rsplit("-s", 1)[0]
+
+
+def _seed(key: str) -> int:
+    return int(key.rsplit("-s", 1)[1])
 
 
 def longtail_config(arm: str, lengths: RecordedGroupLengths, steps: int, seed: int = 0,
@@ -332,7 +338,8 @@ def longtail_validation(seed: int = 0, bench_dir: str | os.PathLike | None = Non
         ``predicted_own_trainer`` (the run's own trainer rate) and ``predicted_own_rates`` (its own
         trainer and decode rates; None without a decode slowdown); per asynchronous arm the ratio of
         the synchronous arm's mean seconds per step to its own (> 1: asynchronous steps are faster),
-        measured and by each kind of prediction.
+        measured and by each kind of prediction, paired by seed: over the arm's runs whose seed has
+        a synchronous run, against those synchronous runs (an arm with none is left out).
 
     Raises:
         OSError, ValueError, KeyError: a record cannot be read.
@@ -377,18 +384,22 @@ def longtail_validation(seed: int = 0, bench_dir: str | os.PathLike | None = Non
                     row[q]["range" + kind[9:]] = None if none else (min(vals), max(vals))
         rows.append(row)
     ratios = []
-    sync = [r for r in rows if r["arm"] == "sync"]
-    if sync:
-        def ratio(runs: list[dict[str, Any]], kind: str) -> float | None:
+    sync_by_seed = {_seed(r["key"]): r for r in rows if r["arm"] == "sync"}
+    if sync_by_seed:
+        def ratio(runs: list[dict[str, Any]], sync: list[dict[str, Any]], kind: str) -> float | None:
             vals = [[r["seconds_per_step"][kind] for r in rs] for rs in (sync, runs)]
             if any(v is None for vs in vals for v in vs):
                 return None
             return statistics.fmean(vals[0]) / statistics.fmean(vals[1])
         for arm in dict.fromkeys(r["arm"] for r in rows if r["arm"] != "sync"):
-            runs = [r for r in rows if r["arm"] == arm]
-            q = {"arm": arm, "runs": len(runs), "sync_runs": len(sync), "measured": ratio(runs, "measured")}
+            # paired by seed: an arm's runs against the synchronous runs of the same seeds
+            runs = [r for r in rows if r["arm"] == arm and _seed(r["key"]) in sync_by_seed]
+            if not runs:
+                continue
+            sync = [sync_by_seed[_seed(r["key"])] for r in runs]
+            q = {"arm": arm, "runs": len(runs), "sync_runs": len(sync), "measured": ratio(runs, sync, "measured")}
             for kind in _KINDS:
-                q[kind] = ratio(runs, kind)
+                q[kind] = ratio(runs, sync, kind)
                 q["error" + kind[9:]] = None if q[kind] is None else relative_error(q[kind], q["measured"])
             ratios.append(q)
     return {"runs": rows, "ratios": ratios}
