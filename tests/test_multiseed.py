@@ -189,12 +189,35 @@ def test_dry_run_lists_only_missing_runs_and_refuses_other_settings(ms, tmp_path
     with pytest.raises(SystemExit):  # TRL trains for a time: a step-count comparison cannot hold it
         ms.main(["--arms", "async,trl", "--seeds", "1", "--steps", "50", "--json", str(path), "--dry_run"])
     assert "use --minutes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a snapshot spacing of 0 s would snapshot after every step, forever
+        ms.main(["--arms", "trl", "--seeds", "1", "--minutes", "1", "--trl_save_every", "0", "--json", str(path),
+                 "--dry_run"])
+    assert "--trl_save_every must be > 0" in capsys.readouterr().err
     # Runs of an older content of the same config file: "async" (no flags) would mean another recipe.
     path.write_text(json.dumps({"title": None, "settings": {**settings, "config_sha256": "0" * 64}, "arms": ["async"],
                                 "arm_flags": {"async": []}, "runs": [_run("async", 1, [(0, 0, 0.2)])]}))
     with pytest.raises(SystemExit):
         ms.main(["--arms", "async", "--seeds", "2", "--steps", "50", "--json", str(path), "--dry_run"])
     assert "another version of configs/smollm2_arith.yaml" in capsys.readouterr().err
+
+
+def test_the_trl_arm_gets_its_snapshot_spacing(ms, tmp_path, capsys, monkeypatch):
+    # run_trl_seed needs trl importable (not in CI): here the spacing main hands it is what is checked
+    seen = []
+
+    def fake_trl_seed(out_dir, seed, settings):
+        seen.append((seed, settings["save_every"], settings["minutes"]))
+        return {"curve": [{"minutes": 0.0, "step": 0, "accuracy": 0.1, "ci95_low": 0.05, "ci95_high": 0.2}],
+                "steps": [], "train_minutes": 0.0, "final_step": 0, "save_every_seconds": settings["save_every"]}
+
+    monkeypatch.setattr(ms, "run_trl_seed", fake_trl_seed)
+    path = tmp_path / "r.json"
+    assert ms.main(["--arms", "trl", "--seeds", "1", "--minutes", "30", "--trl_save_every", "360",
+                    "--json", str(path), "--out_dir", str(tmp_path / "runs")]) == 0
+    assert seen == [(1, 360.0, 30.0)]
+    report = json.loads(path.read_text())
+    assert report["runs"][0]["save_every_seconds"] == 360.0
+    assert "save_every" not in report["settings"]  # a spacing is per run: it does not split the comparison's JSON
 
 
 def test_no_run_starts_when_an_arm_cannot(ms, tmp_path, capsys, monkeypatch):
