@@ -66,6 +66,8 @@ LT_RUNS: dict[str, tuple[str, str, int] | None] = {
     "keep-s1": ("multiseed_longtail.json", "keep", 1),
     "sync-s2": None,
     "async-s2": None,
+    "sync-s3": None,
+    "async-s3": None,
 }
 #: Runs whose directory (and ``trace/``) is gone -> the run whose groups stand in for theirs. Same
 #: task and seed, so the same problems in the same order; each length is scaled by the ratio of the
