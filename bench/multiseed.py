@@ -445,15 +445,17 @@ def prune_run_dir(run_dir: Path) -> int:
 
 def run_trl_seed(out_dir: Path, seed: int, settings: dict) -> dict:
     """TRL's GRPOTrainer (bench/trl_compare.py) for ``settings["minutes"]`` with ``seed``, on the
-    comparison's config (its model, task, prompts, reward and knobs)."""
+    comparison's config (its model, task, prompts, reward and knobs), snapshotting every
+    ``settings["save_every"]`` training seconds (``--trl_save_every``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from trl_compare import run_trl  # needs trl importable
 
-    curve, summary = run_trl(out_dir / f"trl-s{seed}", settings["minutes"] * 60.0, settings.get("save_every", 90.0),
+    save_every = settings["save_every"]
+    curve, summary = run_trl(out_dir / f"trl-s{seed}", settings["minutes"] * 60.0, save_every,
                              settings.get("threads", 2), settings["num_problems"], seed=seed,
                              config=ROOT / settings["config"])
     return {"curve": curve, "steps": [], "train_minutes": summary["wall_seconds"] / 60.0,
-            "final_step": summary["steps"], "save_every_seconds": settings.get("save_every", 90.0)}
+            "final_step": summary["steps"], "save_every_seconds": save_every}
 
 
 def reread(report: dict, out_dir: Path) -> int:
