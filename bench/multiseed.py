@@ -91,7 +91,7 @@ STEP_FIELDS = ("reward/mean", "reward/std", "train/behaviour_kl", "train/importa
 BOOK_FIELDS = ("buffer/finished_groups", "buffer/zero_variance_groups", "buffer/zero_variance_share",
                "buffer/restarts", "buffer/drops", "buffer/skipped_prompts", "buffer/dataset_cursor",
                "buffer/skipped_zero_variance_predicted", "buffer/predicted_skips_easy",
-               "buffer/predicted_skips_hard")
+               "buffer/predicted_skips_hard", "buffer/appended_tokens", "buffer/restart_discarded_tokens")
 
 #: The group books kept per step (the controller's last record of each step), for the share of
 #: useful groups over a window of steps (:func:`group_shares`).
@@ -672,9 +672,15 @@ def run_costs(run: dict) -> dict:
     """What a run's records say about where its time went (empty for runs without records, e.g. TRL).
 
     Returns:
-        ``{"idle": {role: share}, "seconds_per_step", "publish_seconds", "publish_megabytes"}`` where
+        ``{"idle": {role: share}, "seconds_per_step", "publish_seconds", "publish_megabytes",
+        "appended_tokens", "trained_tokens", "restart_discarded_share", "untrained_share"}`` where
         present: the run's mean idle ratio per role (:func:`read_run`), its training minutes per step
-        in seconds, and the mean publish seconds and megabytes (10^6 bytes) per step.
+        in seconds, the mean publish seconds and megabytes (10^6 bytes) per step; and its token books:
+        the response tokens the rollout servers appended to the buffer (``buffer/appended_tokens``),
+        the response tokens the trainer trained (the sum of ``train/response_tokens``), the share of
+        the appended tokens that restarts threw away (``buffer/restart_discarded_tokens``, recorded
+        since 2026-11-29) and the share never trained (discarded, dropped, or still in the buffer
+        when the run stopped), each in [0, 1].
     """
     out: dict[str, Any] = {}
     if run.get("idle"):
@@ -687,6 +693,16 @@ def run_costs(run: dict) -> dict:
         vals = [s[key] for s in steps if key in s]
         if vals:
             out[name] = scale * _mean(vals)
+    books = run.get("books", {})
+    appended = books.get("buffer/appended_tokens")
+    trained = [s["train/response_tokens"] for s in steps if "train/response_tokens" in s]
+    if appended:
+        out["appended_tokens"] = int(appended)
+        if "buffer/restart_discarded_tokens" in books:
+            out["restart_discarded_share"] = books["buffer/restart_discarded_tokens"] / appended
+        if trained and len(trained) == len(steps):
+            out["trained_tokens"] = int(sum(trained))
+            out["untrained_share"] = max(0.0, 1.0 - out["trained_tokens"] / appended)
     return out
 
 
@@ -698,14 +714,20 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
     if not rows:
         return []
     roles = sorted({role for _, c in rows for role in c.get("idle", {})})
+    books = any("appended_tokens" in c for _, c in rows)
     fmt = lambda c, k, f: "—" if k not in c else format(c[k], f)  # noqa: E731
     lines = ["", "| run | s per step | " + " | ".join(f"idle {role}" for role in roles)
-             + " | publish s per step | publish MB per step |", "|---|---|" + "---|" * (len(roles) + 2)]
+             + " | publish s per step | publish MB per step |"
+             + (" appended tokens | trained tokens | discarded by restarts | never trained |" if books else ""),
+             "|---|---|" + "---|" * (len(roles) + 2 + (4 if books else 0))]
     for r, c in rows:
         idle = c.get("idle", {})
         lines.append(f"| {r['arm']} s{r['seed']} | {fmt(c, 'seconds_per_step', '.1f')} | "
                      + " | ".join("—" if role not in idle else f"{idle[role]:.2f}" for role in roles)
-                     + f" | {fmt(c, 'publish_seconds', '.2f')} | {fmt(c, 'publish_megabytes', '.1f')} |")
+                     + f" | {fmt(c, 'publish_seconds', '.2f')} | {fmt(c, 'publish_megabytes', '.1f')} |"
+                     + (f" {fmt(c, 'appended_tokens', ',')} | {fmt(c, 'trained_tokens', ',')} |"
+                        f" {fmt(c, 'restart_discarded_share', '.1%')} | {fmt(c, 'untrained_share', '.1%')} |"
+                        if books else ""))
     return lines
 
 

@@ -450,6 +450,7 @@ async def test_stale_policy_at_batch_formation(redis_url, policy):
         assert (await buf.get_group("g1"))[0].state == GroupState.GENERATING  # the freed slot admitted g1
     else:
         assert b is None and st["restarted_by_reason"] == {"groups:stale_batch": 1, "samples:stale_batch": 1}
+        assert st["counters"]["restart_discarded_tokens"] == 2  # the 2 tokens finish_all generated
         g, [s] = await buf.get_group("g0")
         assert g.state == GroupState.GENERATING and s.status == SampleStatus.PENDING and s.response_ids == []
         assert s.num_restarts == 1
@@ -472,10 +473,33 @@ async def test_stale_policy_at_resume(redis_url, policy):
         assert items[0].sample_id == it.sample_id and len(items[0].response_ids) == 3
     elif policy == "restart":
         assert items[0].sample_id == it.sample_id and items[0].response_ids == []
-        assert (await buf.stats())["restarted_by_reason"] == {"samples:stale_resume": 1}
+        st = await buf.stats()
+        assert st["restarted_by_reason"] == {"samples:stale_resume": 1}
+        assert st["counters"]["restart_discarded_tokens"] == 3 == st["counters"]["appended_tokens"]
     else:
         assert await buf.dropped_groups() == {"g0": "stale_resume"}
         assert [i.group_id for i in items] == ["g1"]  # the freed slot admitted the next group
+    await buf.close()
+
+
+async def test_restart_discarded_tokens_count_model_tokens_only(redis_url):
+    """An episode restarted after a turn and an observation loses its model tokens, not the environment's."""
+    buf = await open_buf(redis_url, rollout_batch_size=1, train_batch_groups=1, n_samples_per_prompt=1,
+                         max_budget=16)
+    await feed(buf, 1)
+    [it] = await buf.claim("w", 1)
+    await gen(buf, it, 3, 0, "turn")
+    await buf.append_observation(it, [7, 7, 7, 7], 0)
+    await gen(buf, it, 2, 0)  # an open model call of the second turn
+    await buf.restart_episode(it)
+    counters = (await buf.stats())["counters"]
+    assert counters["restart_discarded_tokens"] == 5 == counters["appended_tokens"]
+    assert counters["observation_tokens"] == 4
+    assert counters["restarted_samples:nondeterministic"] == 1
+    [again] = await buf.claim("w", 1)
+    assert again.sample_id == it.sample_id and again.response_ids == []
+    await buf.restart_episode(again)  # nothing held: nothing more discarded
+    assert (await buf.stats())["counters"]["restart_discarded_tokens"] == 5
     await buf.close()
 
 

@@ -96,13 +96,14 @@ def test_controller_exports_buffer_counters_by_their_increase():
                  "counters": {"dropped_groups:stale_resume": 1, "restarted_groups:stale_batch": 2,
                               "restarted_samples:stale_batch": 8, "reclaimed_leases": 3,
                               "restarted_samples:abandoned_version": 4, "parked_budget": 10,
-                              "dropped_groups:some_future_code": 5}}
+                              "dropped_groups:some_future_code": 5, "restart_discarded_tokens": 96}}
         export.update(stats, trainer_step=2, running=["rollout-0", "trainer"])
         assert _value(reg, 'asyncrl_buffer_groups_dropped_total{reason="stale"}') == 1
         assert _value(reg, 'asyncrl_buffer_groups_restarted_total{reason="stale"}') == 2
         assert _value(reg, 'asyncrl_buffer_samples_restarted_total{reason="stale"}') == 8
         assert _value(reg, 'asyncrl_buffer_samples_restarted_total{reason="lineage"}') == 4
         assert _value(reg, "asyncrl_buffer_work_reclaimed_total") == 3
+        assert _value(reg, "asyncrl_buffer_restart_discarded_tokens_total") == 96
         assert _value(reg, "asyncrl_buffer_groups_admitted_total") == 6
         assert _value(reg, "asyncrl_buffer_policy_version") == 3
         # the buffer's own state names are exported under the catalogue's labels (docs/metrics.md)

@@ -126,6 +126,20 @@ def test_run_costs_and_their_table(ms):
     assert lines[1] == "| run | s per step | idle rollout-0 | idle trainer | publish s per step | publish MB per step |"
     assert lines[3] == "| async s1 | 12.0 | 0.05 | 0.40 | 1.50 | 3.0 |" and len(lines) == 4  # TRL has no row
     assert ms.run_costs_markdown({"runs": [trl]}, ["trl"]) == []
+    # token books: appended by the rollout servers, trained, discarded by restarts
+    booked = {**run, "seed": 2, "books": {"buffer/appended_tokens": 1000, "buffer/restart_discarded_tokens": 150},
+              "steps": [{**s, "train/response_tokens": n} for s, n in zip(run["steps"], (400, 400))]}
+    c = ms.run_costs(booked)
+    assert c["appended_tokens"] == 1000 and c["trained_tokens"] == 800
+    assert c["restart_discarded_share"] == pytest.approx(0.15) and c["untrained_share"] == pytest.approx(0.2)
+    lines = ms.run_costs_markdown({"runs": [run, booked]}, ["async"])
+    assert lines[1].endswith("| publish MB per step | appended tokens | trained tokens | discarded by restarts | never trained |")
+    assert lines[2].count("---") == 10
+    assert lines[3].endswith("| 3.0 | — | — | — | — |")  # a run recorded before the books: dashes
+    assert lines[4] == "| async s2 | 12.0 | 0.05 | 0.40 | 1.50 | 3.0 | 1,000 | 800 | 15.0% | 20.0% |"
+    # a step without its token count leaves the trained total out rather than undercount it
+    partial = {**booked, "steps": [booked["steps"][0], run["steps"][1]]}
+    assert "trained_tokens" not in ms.run_costs(partial) and "untrained_share" not in ms.run_costs(partial)
 
 
 def test_an_arm_can_turn_a_bool_field_off(ms, tmp_path):

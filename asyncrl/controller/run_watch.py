@@ -324,6 +324,7 @@ class BufferWatcher:
             "buffer/parked_abort": counters.get("parked_abort", 0),
             "buffer/idle_resumes": counters.get("idle_resumes", 0),
             "buffer/appended_tokens": counters.get("appended_tokens", 0),
+            "buffer/restart_discarded_tokens": counters.get("restart_discarded_tokens", 0),
             "buffer/acked_groups": counters.get("acked_groups", 0),
         }
         # best-of-n, dynamic sampling, pass-rate filter, selective rollout (buffers.inspection.sampling_counts):
@@ -413,6 +414,8 @@ class PrometheusExport:
                 self.buf.restarted(reason, groups=n)
             elif kind == "reclaimed_leases":
                 self.buf.reclaimed.inc(n)
+            elif kind == "restart_discarded_tokens":
+                self.buf.restart_discarded_tokens.inc(n)
             elif kind == "discarded_best_of_n":
                 self.buf.dropped("best_of_n", samples=n)
             elif kind == "finished_groups":

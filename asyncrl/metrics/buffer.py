@@ -85,6 +85,12 @@ class BufferMetrics:
         self.groups_restarted = Counter(
             "asyncrl_buffer_groups_restarted", "READY groups sent back whole to be regenerated, by reason.", ["reason"], registry=r
         )
+        self.restart_discarded_tokens = Counter(
+            "asyncrl_buffer_restart_discarded_tokens",
+            "Model tokens that restarted samples held and threw away (rate() against the rollout's generated "
+            "tokens is the share of its work that restarts lost).",
+            registry=r,
+        )
         self.reclaimed = Counter(
             "asyncrl_buffer_work_reclaimed", "Claimed work of a silent worker reclaimed after the lease (XAUTOCLAIM).", registry=r
         )
