@@ -43,6 +43,7 @@ def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1
                                   "eval/num_problems": 400, "time/eval_seconds": 20.0 * step},
                            wall_seconds=wall + 2)
         controller.log(step, {"buffer/partial_ratio": 0.25, "buffer/drops": 1, "buffer/restarts": 3,
+                              "buffer/appended_tokens": 1000 * step, "buffer/restart_discarded_tokens": 50 * step,
                               "supervisor/restarts": 0, "cpu_share/trainer": 0.2 + 0.02 * (step % 2),
                               "cpu_share/rollout-0": 0.4}, wall_seconds=wall + 2)
     for lg in (trainer, *rollouts, controller):
@@ -94,6 +95,7 @@ def test_cli_writes_png_and_markdown(tmp_path):
     assert "![curves](report.png)" in md
     assert "| train steps | 40 |" in md
     assert "| max staleness seen / bound | 2 / 2 |" in md
+    assert "| tokens generated / discarded by restarts | 40,000 / 2,000 (5.0%) |" in md
     assert "| CPU share of the run's cores (mean) by role | rollout-0 0.40, trainer 0.21 |" in md
     assert "0.5 [0.451, 0.549]" in md
     assert "trainer 0.30" in md and "rollout-0 0.10" in md
@@ -181,3 +183,12 @@ def test_report_through_the_cli(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "# asyncrl run report: r" in proc.stdout
+
+
+def test_discarded_tokens_cell_for_runs_before_and_after_the_counter():
+    from asyncrl.metrics.report import _discarded_cell
+
+    assert _discarded_cell({"appended_tokens": None, "restart_discarded_tokens": None}) == "—"
+    # a run logged before the buffer counted discarded tokens (2026-11-29) has only the appended ones
+    assert _discarded_cell({"appended_tokens": 67111.0, "restart_discarded_tokens": None}) == "67,111 / —"
+    assert _discarded_cell({"appended_tokens": 200.0, "restart_discarded_tokens": 0.0}) == "200 / 0 (0.0%)"

@@ -189,6 +189,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "episode_tool_calls_final": _last(recs, "train/episode_tool_calls_mean"),
         "drops": _last(recs, "buffer/drops"),
         "restarts": _last(recs, "buffer/restarts"),
+        "appended_tokens": _last(recs, "buffer/appended_tokens"),
+        "restart_discarded_tokens": _last(recs, "buffer/restart_discarded_tokens"),
         "role_restarts": _last(recs, "supervisor/restarts"),
     }
 
@@ -199,6 +201,16 @@ def _fmt(v: Any, spec: str = ".3g", unit: str = "") -> str:
     if isinstance(v, float):
         return f"{v:{spec}}{unit}"
     return f"{v}{unit}"
+
+
+def _discarded_cell(s: dict[str, Any]) -> str:
+    """``"<appended> / <discarded> (<share>)"``: the model tokens appended to the buffer and those restarts threw away."""
+    app, lost = s.get("appended_tokens"), s.get("restart_discarded_tokens")
+    if not app:
+        return "—"
+    if lost is None:
+        return f"{int(app):,} / —"
+    return f"{int(app):,} / {int(lost):,} ({lost / app:.1%})"
 
 
 def _knobs(run: Run) -> str:
@@ -246,6 +258,7 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
         ("episode tool calls, first / last step", [
             f"{_fmt(s['episode_tool_calls_first'])} / {_fmt(s['episode_tool_calls_final'])}" for s in sums]),
         ("drops / sample restarts (buffer)", [f"{_fmt(s['drops'])} / {_fmt(s['restarts'])}" for s in sums]),
+        ("tokens generated / discarded by restarts", [_discarded_cell(s) for s in sums]),
         ("role restarts (supervisor)", [_fmt(s["role_restarts"]) for s in sums]),
     ]
     header = "| | " + " | ".join(s["name"] for s in sums) + " |"

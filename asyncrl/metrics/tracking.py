@@ -28,7 +28,9 @@ Metric naming scheme: ``<group>/<name>``, lower case, the unit as a suffix (``_s
                     trainer steps, at least 60 s: generation is bursty), ``generated_tokens``,
                     ``samples_per_second``, ``response_len_mean_tokens``
 ``buffer/``         ``partial_ratio`` (partial samples / samples in flight), ``depth_<state>``
-                    (prompt groups or samples by state), ``drops``, ``restarts``, ``fed_groups``
+                    (prompt groups or samples by state), ``drops``, ``restarts``, ``fed_groups``,
+                    ``appended_tokens`` (model tokens the rollout servers flushed, run total),
+                    ``restart_discarded_tokens`` (of those, the ones restarts threw away)
 ``staleness/``      ``max``, ``mean`` (policy versions, of the train batch)
 ``policy/``         ``version`` (the version clock), ``lineage``
 ``time/``           phase timings: ``wait_batch_seconds``, ``forward_backward_seconds``,
