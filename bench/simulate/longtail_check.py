@@ -56,6 +56,7 @@ LT_ARMS = {
     "async": (8, 0.75, 64, 2, "restart", "split"),
     "keep": (8, 0.75, 64, 2, "keep", "split"),
     "keepfollow": (8, 0.75, 64, 2, "keep", "follow"),
+    "eta4": (8, 0.75, 64, 4, "restart", "split"),
 }
 #: The runs predicted, ``<arm>-s<seed>`` -> where its measured record is: (a multiseed JSON in
 #: docs/bench, the arm's name there, the seed), or None for the record ``--extract`` stored with
@@ -68,6 +69,8 @@ LT_RUNS: dict[str, tuple[str, str, int] | None] = {
     "async-s2": None,
     "sync-s3": None,
     "async-s3": None,
+    "eta4-s1": None,
+    "eta4-s2": None,
 }
 #: Runs whose directory (and ``trace/``) is gone -> the run whose groups stand in for theirs. Same
 #: task and seed, so the same problems in the same order; each length is scaled by the ratio of the
