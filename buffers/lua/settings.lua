@@ -130,10 +130,11 @@ local function make_resumable(sid, minv)
   redis.call('ZADD', k('resumable'), minv * 4294967296 + pseq, sid)
 end
 
--- The model tokens a sample holds: its tokens less the environment segments (obs, ctx) of an
--- episode, which are not generated and not in `appended_tokens`.
-local function model_tokens(ids, segs)
-  local n = #(ids or '') / 4
+-- The model tokens sample key `sk` holds: its tokens (HSTRLEN, as the group records count them,
+-- without copying the array) less the environment segments (obs, ctx) of an episode, which are
+-- not generated and not in `appended_tokens`.
+local function model_tokens(sk, segs)
+  local n = redis.call('HSTRLEN', sk, 'ids') / 4
   segs = segs or ''
   for j = 0, #segs / 12 - 1 do
     local s, e, code = struct.unpack('<i4<i4<i4', segs, 12 * j + 1)
@@ -148,9 +149,9 @@ end
 -- as `appended_tokens`, so their ratio is the share of the rollout's work lost to restarts).
 local function reset_sample(sid, reason)
   local sk = skey(sid)
-  local f = redis.call('HMGET', sk, 'status', 'gid', 'idx', 'restarts', 'ids', 'segs')
+  local f = redis.call('HMGET', sk, 'status', 'gid', 'idx', 'restarts', 'segs')
   local gk = gkey(f[2])
-  local discarded = model_tokens(f[5], f[6])
+  local discarded = model_tokens(sk, f[5])
   if discarded > 0 then stat('restart_discarded_tokens', discarded) end
   if f[1] == 'scored' then redis.call('HINCRBY', gk, 'n_scored', -1) end
   if f[1] == 'failed' then redis.call('HINCRBY', gk, 'n_failed', -1) end
