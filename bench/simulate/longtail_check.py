@@ -71,6 +71,7 @@ LT_RUNS: dict[str, tuple[str, str, int] | None] = {
     "async-s3": None,
     "eta4-s1": None,
     "eta4-s2": None,
+    "eta4-s3": None,
 }
 #: Runs whose directory (and ``trace/``) is gone -> the run whose groups stand in for theirs. Same
 #: task and seed, so the same problems in the same order; each length is scaled by the ratio of the
