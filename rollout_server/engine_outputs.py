@@ -114,6 +114,11 @@ class EngineOutputs:
     def _nonfinite_rows(self, logits) -> list[int]:
         """Indices of the rows of ``logits`` ``(R, V)`` that hold a NaN or an infinity."""
         torch = self.torch
+        # a row's sum is finite when all its entries are (one pass, no (R, V) bool tensor); a
+        # non-finite sum of finite entries (an overflow) is told apart by the exact test
+        sums_ok = torch.isfinite(logits.sum(dim=-1))
+        if bool(sums_ok.all()):
+            return []
         ok = torch.isfinite(logits).all(dim=-1)
         if bool(ok.all()):
             return []
