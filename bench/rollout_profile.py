@@ -17,7 +17,7 @@ by component (docs/rollout.md, "Rollout profile"):
 Read at the end from the server's ``/metrics``: the engine thread's seconds by component
 (``asyncrl_rollout_engine_seconds_total``, exclusive, they add up to the thread's lifetime), the
 worker's (``asyncrl_rollout_worker_seconds_total``, summed over its concurrent tasks), the engine's
-generated tokens. The running requests are sampled from ``/v1/loads`` every 0.25 s.
+generated tokens, prompt tokens run through a prefill forward pass and prompts served by the prompt cache. The running requests are sampled from ``/v1/loads`` every 0.25 s.
 
 **Against the plain loop.** In the same process after the workload, with the same torch threads,
 ``bench/rollout_bench.py``'s plain batched decode loop (:func:`bench.rollout_bench.ceiling`: one
@@ -33,7 +33,7 @@ On a loaded machine alternate them (``--rounds 2``) and compare ratios, not abso
 
 Run: ``python bench/rollout_profile.py [--config configs/smollm2_arith.yaml] [--steps 6]
 [--threads 2] [--train_seconds 4] [--max_seconds 0] [--gen_tokens 128] [--compare main] [--rounds 1]
-[--json out.json]``; ``--weight_loads 4`` times 4 full weight loads on an idle server instead.
+[--set rollout.engine_scheduler_delay_factor=4] [--json out.json]``; ``--weight_loads 4`` times 4 full weight loads on an idle server instead.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ def parse_metrics(text: str) -> dict[str, Any]:
         if m:
             out[m.group(1)][m.group(2)] = float(m.group(3))
         m = re.match(r"^sglang:(generation_tokens|prompt_tokens)_total\{[^}]*\} (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+        m = re.match(r"^asyncrl_rollout_(prefill_forward_tokens|prompt_cache_hits)_total (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
@@ -107,6 +110,7 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
     flags = ["--config", str(a.config), "--run.name", f"profile-{os.getpid()}",
              "--rollout.base_port", str(port), "--rollout.engine_threads", str(a.threads),
              "--run.output_dir", str(tmp / "run"), "--weight_sync.dir", str(tmp / "weights")]
+    flags += [x for item in a.set for x in ("--" + item.split("=", 1)[0], item.split("=", 1)[1])]
     cfg = load_config(flags, environ={**os.environ, "ASYNCRL_BUFFER__REDIS_URL": redis.url})
     path = resolve_model_path(cfg.model.path)
     tok = load_tokenizer(path)
@@ -214,6 +218,8 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
     res.update({
         "wall_seconds": wall, "generated_tokens": gen, "max_seconds": a.max_seconds, "tokens_per_second": gen / wall,
         "prompt_tokens": m1.get("prompt_tokens", 0.0) - m0.get("prompt_tokens", 0.0),
+        # None: a revision whose server does not export them
+        **{k: (m1[k] - m0.get(k, 0.0) if k in m1 else None) for k in ("prefill_forward_tokens", "prompt_cache_hits")},
         "mean_running_requests": sum(running) / len(running) if running else 0.0,
         "mean_prompt_tokens": sum(prompt_lens) / max(1, len(prompt_lens)),
         "engine_seconds": {k: v - m0["engine"].get(k, 0.0) for k, v in m1["engine"].items()},
@@ -239,7 +245,10 @@ def one(a: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(tok, B, max(1, round(res["mean_prompt_tokens"])))
     ceiling(model, prompts[:2], 4)  # warm
     ceil = max(ceiling(model, prompts, a.gen_tokens) for _ in range(max(1, a.loop_repeats)))
+    # the loop as it sampled before 2026-11-29 (torch.multinomial), the bar of the earlier figures
+    ceil_mn = max(ceiling(model, prompts, a.gen_tokens, sampler="multinomial") for _ in range(max(1, a.loop_repeats)))
     res.update({"loop_concurrency": B, "loop_tokens_per_second": ceil, "ratio": res["tokens_per_second"] / ceil,
+                "loop_multinomial_tokens_per_second": ceil_mn, "ratio_multinomial": res["tokens_per_second"] / ceil_mn,
                 "threads": a.threads, "load_average": os.getloadavg()})
     return res
 
@@ -290,8 +299,12 @@ def report(r: dict[str, Any]) -> None:
     print(f"\n== {r['code']}: {len(steps)} steps in {r['wall_seconds']:.1f} s, {r['generated_tokens']:.0f} generated tokens "
           f"-> {r['tokens_per_second']:.1f} tok/s; plain loop at B={r['loop_concurrency']} "
           f"(mean running {r['mean_running_requests']:.1f}): {r['loop_tokens_per_second']:.1f} tok/s; "
-          f"ratio {r['ratio']:.2f}; trainer waited {sum(s['wait_seconds'] for s in steps) / max(1, len(steps)):.2f} s "
+          f"ratio {r['ratio']:.2f} (to the loop with torch.multinomial, the bar before 2026-11-29: "
+          f"{r['loop_multinomial_tokens_per_second']:.1f} tok/s, {r['ratio_multinomial']:.2f}); trainer waited {sum(s['wait_seconds'] for s in steps) / max(1, len(steps)):.2f} s "
           f"per step; load average {r['load_average'][0]:.1f}")
+    if r.get("prefill_forward_tokens") is not None:
+        print(f"prompt tokens: {r['prompt_tokens']:.0f} in requests, {r['prefill_forward_tokens']:.0f} through a prefill "
+              f"forward pass; {r['prompt_cache_hits']:.0f} prompts served by the prompt cache")
     cpu = r.get("server_cpu_seconds", {})
     if cpu:
         print(f"rollout server CPU: event-loop thread {cpu['event_loop_thread']:.1f} s, other threads (engine, OpenMP, "
@@ -324,12 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="with --compare: alternate the two this many times")
     ap.add_argument("--weight_loads", type=int, default=0,
                     help="instead of the workload: time this many full weight loads on an idle server")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the working tree's runs (e.g. rollout.engine_scheduler_delay_factor=4); "
+                         "the --compare revision runs the config as it is")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one run, JSON on stdout's last line
     ap.add_argument("--code_root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     ap.add_argument("--code_label", default="working tree", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.config = a.config.resolve()
+    for item in a.set:
+        if "=" not in item or not item.split("=", 1)[0]:
+            ap.error(f"--set takes KEY=VALUE (a config field such as rollout.engine_scheduler_delay_factor=4), got {item!r}")
     if a.weight_loads:
         rows = weight_loads(a)
         if a.json:
@@ -353,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--config", str(a.config), "--steps", str(a.steps), "--threads", str(a.threads),
                    "--train_seconds", str(a.train_seconds), "--gen_tokens", str(a.gen_tokens),
                    "--max_seconds", str(a.max_seconds), "--loop_repeats", str(a.loop_repeats)]
+            if code == ROOT:
+                cmd += [x for item in a.set for x in ("--set", item)]
             # the revision's packages first; this script's bench helpers (rollout_bench) from this tree
             env = dict(os.environ, PYTHONPATH=f"{code}{os.pathsep}{ROOT}", OMP_NUM_THREADS=str(a.threads))
             print(f"running the workload with the code of {label} ...", flush=True)
@@ -375,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
               f"working tree {', '.join(f'{x:.2f}' for x in after)}")
     if a.json:
         a.json.write_text(json.dumps({"config": str(a.config.relative_to(ROOT)) if a.config.is_relative_to(ROOT) else
-                                      a.config.name, "steps": a.steps, "threads": a.threads,
+                                      a.config.name, "set": a.set, "steps": a.steps, "threads": a.threads,
                                       "train_seconds": a.train_seconds, "cpu_count": os.cpu_count(), "runs": results},
                                      indent=2))
     return 0

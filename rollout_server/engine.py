@@ -47,7 +47,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from rollout_server.engine_fair import EngineFair
@@ -72,6 +72,8 @@ class _Item:
 
     ids: list[int]
     samples: list[EngineSample]
+    #: when it joined the waiting queue (time.monotonic(); the scheduler delay counts from the oldest)
+    queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def big(self) -> bool:
@@ -109,9 +111,14 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
             rollout_server/engine_lora.py; SGLang's ``--max-loaded-loras``).
         prompt_cache_tokens: prompt tokens whose keys/values the prompt cache keeps
             (rollout_server/prompt_cache.py; 0: no cache).
+        scheduler_delay_factor: d ≥ 0: while rows are decoding, waiting requests are admitted
+            only once the oldest has waited d times the last prefill's duration, so arrivals
+            spread over several decode steps share one prefill forward pass (vLLM's
+            ``--scheduler-delay-factor``). 0: admit at every iteration (SGLang's behaviour).
+            An idle engine admits at once either way.
 
     Raises:
-        ValueError: ``prompt_cache_tokens`` is negative.
+        ValueError: ``prompt_cache_tokens`` or ``scheduler_delay_factor`` is negative.
     """
 
     def __init__(
@@ -132,8 +139,15 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
         fair_step_overhead_rows: float | None = None,
         fair_logprob_weight: float | None = None,
         prompt_cache_tokens: int = 4096,
+        scheduler_delay_factor: float = 0.0,
     ):
         import torch
+
+        if not scheduler_delay_factor >= 0.0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0 (a multiple of the last prefill's duration), "
+                             f"got {scheduler_delay_factor}")
+        self.scheduler_delay_factor = float(scheduler_delay_factor)
+        self._last_prefill_seconds = 0.0  # wall time of the last prefill (forward pass and first tokens)
 
         self.torch = torch
         self.model = model.eval()
@@ -175,6 +189,7 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
             "prompt_tokens_total": 0,
             "prefill_forward_tokens_total": 0,  # prompt tokens run through a prefill forward (shared prompts once)
             "prompt_cache_hits_total": 0,  # distinct prompts of a prefill served by the prompt cache
+            "prefill_batches_total": 0,  # admissions (each one prefill of the prompts admitted together)
             "generation_tokens_total": 0,
             "num_requests_total": 0,
             "num_aborted_requests_total": 0,
@@ -451,7 +466,7 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
                 else:
                     keep.append(s)
             if keep:
-                kept.append(_Item(item.ids, keep))
+                kept.append(_Item(item.ids, keep, item.queued_at))
         self._waiting = kept
         for i, row in enumerate(self._rows):
             if row is not None and hit(row.sample):

@@ -15,6 +15,7 @@ mixins' helpers (``_place_rows``, ``_append_tokens``, ``_sample``, ``_finish``,
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,6 +32,9 @@ class EnginePrefill:
     def _admit(self) -> list[EngineSample]:
         """Move waiting items into free rows, fairly (see ``reserve_rows`` of the engine).
 
+        While rows decode and ``scheduler_delay_factor`` is set, nothing is admitted until the
+        oldest waiting item has waited that many times the last admission's prefill.
+
         Big requests' samples hold at most ``max_request_rows`` rows together and are admitted in
         arrival order; a small request passes a big one that waits, but never into the rows that
         the oldest waiting big one needs, so neither kind starves the other.
@@ -38,6 +42,12 @@ class EnginePrefill:
         if not self._waiting or self._pending_updates:
             return []
         running = [r.sample for r in self._rows if r is not None]
+        if running and self.scheduler_delay_factor > 0.0:
+            # vLLM's scheduler delay: let arrivals gather while the running rows decode, so that
+            # one prefill forward pass (which costs about a decode step on a CPU) serves several
+            waited = time.monotonic() - min(it.queued_at for it in self._waiting)
+            if waited < self.scheduler_delay_factor * self._last_prefill_seconds:
+                return []
         free = self.max_batch_size - len(running)
         big_room = self.max_request_rows - sum(1 for s in running if s.big)
         items: list[Any] = []
@@ -70,7 +80,12 @@ class EnginePrefill:
             return []
         self._waiting.clear()
         self._waiting.extend(kept)
-        return self._prefill(items)
+        t0 = time.monotonic()
+        self.stats["prefill_batches_total"] += 1
+        try:
+            return self._prefill(items)
+        finally:
+            self._last_prefill_seconds = time.monotonic() - t0
 
     def _prefill(self, items: list[Any]) -> list[EngineSample]:
         """Prefill ``items`` together, sample each sample's first token and place the rows.

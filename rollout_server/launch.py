@@ -63,6 +63,8 @@ def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
         cmd.append("--incremental-streaming-output")
     if r.engine_threads:
         cmd += ["--engine-threads", str(r.engine_threads)]
+    if r.engine_scheduler_delay_factor:
+        cmd += ["--scheduler-delay-factor", str(r.engine_scheduler_delay_factor)]
     if cfg.model.max_context_len is not None:
         cmd += ["--context-length", str(cfg.model.max_context_len)]
     if cfg.resources.rollout_gpus:  # the embedded engine on the (first visible) GPU

@@ -33,6 +33,7 @@ __all__ = [
     "ServerLimits",
     "add_limit_arguments",
     "limit_flags",
+    "limits_from_config",
     "read_limited",
 ]
 
@@ -154,6 +155,14 @@ def add_limit_arguments(add: Callable[..., None]) -> None:
 def limits_from_args(a: argparse.Namespace) -> ServerLimits:
     """The :class:`ServerLimits` of parsed flags."""
     return ServerLimits(**{f.name: getattr(a, f.name) for f in fields(ServerLimits)})
+
+
+def limits_from_config(rollout_cfg: Any) -> ServerLimits:
+    """The :class:`ServerLimits` of the ``rollout.engine_*`` limit fields of a
+    :class:`asyncrl.core.config.RolloutConfig` (an in-process server; :func:`limit_flags` for a launched one)."""
+    defaults = ServerLimits()
+    return ServerLimits(**{f.name: (v if (v := getattr(rollout_cfg, "engine_" + f.name, None)) is not None
+                                    else getattr(defaults, f.name)) for f in fields(ServerLimits)})
 
 
 def limit_flags(rollout_cfg: Any) -> list[str]:

@@ -75,6 +75,29 @@ def quiet_client_disconnects(logger_name: str = "aiohttp.server") -> ClientDisco
     return f
 
 
+def embedded_server_options(cfg: Any, model_path: str, port: int, index: int, context: int) -> Any:
+    """The :class:`rollout_server.server_options.ServerOptions` of the in-process embedded server
+    ``index`` of a run: the same ``rollout.engine_*`` settings a launched server gets as flags
+    (:func:`rollout_server.launch.engine_command`), so a config means the same on either path."""
+    from asyncrl.core.secret_values import reveal
+    from rollout_server.limits import limits_from_config
+    from rollout_server.server_options import ServerOptions
+
+    r = cfg.rollout
+    return ServerOptions(
+        model_path=model_path, host=r.host, port=port,
+        api_key=reveal(cfg.security.api_key) if r.api_key_required else None,
+        incremental_streaming_output=r.incremental_streaming, weight_version="0",
+        max_running_requests=r.engine_max_batch_size, context_length=context,
+        engine_threads=r.engine_threads, random_seed=cfg.run.seed + index,
+        # resources.rollout_gpus: the controller exports them as CUDA_VISIBLE_DEVICES
+        device="cuda" if cfg.resources.rollout_gpus else "cpu",
+        limits=limits_from_config(r), scheduler_delay_factor=r.engine_scheduler_delay_factor,
+        # by_name LoRA keeps max_staleness + 1 adapters, one more while it swaps (as launch.py)
+        max_loaded_loras=cfg.buffer.max_staleness + 2 if cfg.resolved_lora_mode() == "by_name" else 8,
+    )
+
+
 def _print(msg: str) -> None:
     print(f"asyncrl rollout-server: {msg}", flush=True)
 
@@ -126,19 +149,11 @@ async def run_rollout_server(cfg: Any, server_index: int = 0, worker_id: str | N
         from aiohttp import web
 
         from asyncrl.core.net import SERVER_KWARGS, free_port
-        from rollout_server.server import RolloutHTTPServer, ServerOptions
+        from rollout_server.server import RolloutHTTPServer
 
         index = server_index or 0
         port = free_port(r.host) if r.base_port == 0 else r.base_port + index
-        opts = ServerOptions(
-            model_path=model_path, host=r.host, port=port,
-            api_key=reveal(cfg.security.api_key) if r.api_key_required else None,
-            incremental_streaming_output=r.incremental_streaming, weight_version="0",
-            max_running_requests=r.engine_max_batch_size, context_length=context,
-            engine_threads=r.engine_threads, random_seed=cfg.run.seed + index,
-            # resources.rollout_gpus: the controller exports them as CUDA_VISIBLE_DEVICES
-            device="cuda" if cfg.resources.rollout_gpus else "cpu",
-        )
+        opts = embedded_server_options(cfg, model_path, port, index, context)
         server = RolloutHTTPServer(opts)
         await loop.run_in_executor(None, server.load)
         runner = web.AppRunner(server.app(), access_log=None, **SERVER_KWARGS)

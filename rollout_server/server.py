@@ -134,6 +134,7 @@ class RolloutHTTPServer(WeightEndpoints):
             on_update=self._on_engine_update,
             reserve_rows=self.limits.fair_reserve_rows,
             fair_slowdown=self.limits.fair_slowdown,
+            scheduler_delay_factor=self.opts.scheduler_delay_factor,
         )
         self._setup_limits()
         self._setup_metrics()
@@ -474,6 +475,8 @@ class RolloutHTTPServer(WeightEndpoints):
 
         if self.rollout_metrics is not None:  # the engine thread's seconds by component, up to now
             self.rollout_metrics.engine_profile(self.engine.profile_snapshot())
+            stats = self.engine.stats
+            self.rollout_metrics.engine_prefill(stats["prefill_forward_tokens_total"], stats["prompt_cache_hits_total"])
         body, content_type = exposition(self.registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 

@@ -41,6 +41,7 @@ class ServerOptions:
         device: str = "cpu",
         dtype: str = "float32",
         max_loaded_loras: int = 8,
+        scheduler_delay_factor: float = 0.0,
     ):
         self.model_path = str(model_path)
         self.host, self.port = host, int(port)
@@ -63,6 +64,11 @@ class ServerOptions:
         self.max_loaded_loras = int(max_loaded_loras)
         if not 1 <= self.max_loaded_loras <= 1024:
             raise ValueError(f"--max-loaded-loras must be in [1, 1024], got {self.max_loaded_loras}")
+        #: admission batching of the embedded engine (vLLM's ``--scheduler-delay-factor``; rollout_server/engine.py)
+        self.scheduler_delay_factor = float(scheduler_delay_factor)
+        if not 0.0 <= self.scheduler_delay_factor <= 1000.0:
+            raise ValueError(f"--scheduler-delay-factor must be in [0, 1000] (a multiple of the last prefill's "
+                             f"duration), got {scheduler_delay_factor}")
 
 
 
@@ -91,6 +97,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOp
         help="the engine's weight dtype (default float32: exact behaviour logprobs)")
     add("max-loaded-loras", type=int, default=8,
         help="most named LoRA adapters loaded at once (/load_lora_adapter; SGLang's flag)")
+    add("scheduler-delay-factor", type=float, default=0.0,
+        help="while rows decode, admit waiting requests once the oldest has waited this many times the last "
+             "prefill's duration (vLLM's flag; 0: at every step; docs/rollout.md)")
     add("log-level", default="info")
     add_limit_arguments(add)
     a = ap.parse_args(argv)
@@ -106,4 +115,5 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> ServerOp
         engine_threads=a.engine_threads, random_seed=a.random_seed, served_model_name=a.served_model_name,
         stream_interval=a.stream_interval, skip_tokenizer_init=a.skip_tokenizer_init, limits=limits_from_args(a),
         device=a.device, dtype=a.dtype, max_loaded_loras=a.max_loaded_loras,
+        scheduler_delay_factor=a.scheduler_delay_factor,
     )

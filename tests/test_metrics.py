@@ -39,6 +39,7 @@ def drive_role(role: str):
         m.inflight_requests.set(4)
         m.weights_loaded(3, "disk", duration_seconds=1.5, lag_seconds=2.0)
         m.engine_profile({"decode_forward": 2.5, "idle": 1.0})
+        m.engine_prefill(120, 3)
         m.worker_time("scoring", 0.25)
         m.idle.set_idle(False)
     elif role == "buffer":
@@ -204,6 +205,8 @@ def test_labels_are_closed_sets():
         m.engine_profile({"decode_forward": 1.0, "gpu_time": 1.0})
     with pytest.raises(ValueError, match="worker component"):
         m.worker_time("sleeping", 1.0)
+    with pytest.raises(ValueError, match="prompt cache hits must be >= 0"):
+        m.engine_prefill(10, -1)
     with pytest.raises(ValueError, match=">= 0"):
         m.worker_time("claim", -1.0)
     with pytest.raises(ValueError, match="generated_tokens must be >= 0"):

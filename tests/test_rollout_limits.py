@@ -376,3 +376,36 @@ def test_config_limit_fields_reach_the_server_flags():
     assert pairs["--max-request-cost"] == "5000" and pairs["--fair-reserve-rows"] == "3"
     default = dict(zip(*[iter(limit_flags(load_config([], environ={}).rollout))] * 2))
     assert default["--max-request-cost"] == str(1 << 20) and "--fair-reserve-rows" not in default  # None: the server's own
+
+
+def test_the_in_process_server_takes_the_same_engine_settings_as_a_launched_one(tmp_path):
+    """``asyncrl rollout-server``'s in-process engine (what ``asyncrl train`` runs) gets the config's
+    ``rollout.engine_*`` limits and scheduler delay, as a launched server gets them as flags."""
+    from asyncrl.core.config import load_config
+    from rollout_server.launch import engine_command
+    from rollout_server.role import embedded_server_options
+    from rollout_server.server_options import parse_args
+
+    cfg = load_config(["--rollout.engine_max_request_cost", "5000", "--rollout.engine_fair_slowdown", "3",
+                       "--rollout.engine_max_queued_requests", "7", "--rollout.engine_scheduler_delay_factor", "2.5"],
+                      environ={})
+    opts = embedded_server_options(cfg, str(tmp_path), 30001, 0, 512)
+    assert (opts.limits.max_request_cost, opts.limits.fair_slowdown, opts.limits.max_queued_requests) == (5000, 3.0, 7)
+    assert opts.scheduler_delay_factor == 2.5
+    launched = parse_args(engine_command(cfg, str(tmp_path), 30001)[3:])
+    assert launched.limits == opts.limits and launched.scheduler_delay_factor == 2.5
+    plain = embedded_server_options(load_config([], environ={}), str(tmp_path), 30001, 0, 512)
+    assert plain.scheduler_delay_factor == 0.0 and plain.limits.fair_reserve_rows is None
+    assert "--scheduler-delay-factor" not in engine_command(load_config([], environ={}), str(tmp_path), 30001)
+
+
+def test_a_bad_scheduler_delay_is_refused_with_its_bounds(tmp_path):
+    from asyncrl.core.config import load_config
+    from rollout_server.server_options import ServerOptions, parse_args
+
+    with pytest.raises(ValueError, match=r"scheduler-delay-factor must be in \[0, 1000\]"):
+        ServerOptions(str(tmp_path), scheduler_delay_factor=-0.5)
+    with pytest.raises(ValueError, match=r"scheduler-delay-factor must be in \[0, 1000\]"):
+        parse_args(["--model-path", str(tmp_path), "--scheduler-delay-factor", "nan"])
+    with pytest.raises(Exception, match="engine_scheduler_delay_factor"):
+        load_config(["--rollout.engine_scheduler_delay_factor", "-1"], environ={})

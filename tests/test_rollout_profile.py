@@ -114,6 +114,7 @@ async def test_metrics_export_the_profile(model_dir):
     try:
         async with EngineClient(url) as c:
             await c.generate_collect([4, 5, 6], {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True})
+            await c.generate_collect([4, 5, 6], {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True})
         async with ClientSession() as http:
             async with http.get(url + "/metrics") as r:
                 text = await r.text()
@@ -126,6 +127,9 @@ async def test_metrics_export_the_profile(model_dir):
     assert float(found["decode_forward"]) > 0 and float(found["prefill_forward"]) > 0
     assert set(info["engine_profile_seconds"]) == set(ENGINE_COMPONENTS)
     assert info["engine_profile_seconds"]["decode_forward"] >= float(found["decode_forward"])
+    # the same prompt twice under the same weights: prefilled once, served once by the prompt cache
+    assert re.search(r"^asyncrl_rollout_prefill_forward_tokens_total 3\.0$", text, re.M), text
+    assert re.search(r"^asyncrl_rollout_prompt_cache_hits_total 1\.0$", text, re.M), text
 
 
 def test_prompt_cache_serves_a_prompt_prefilled_before(model):
@@ -213,3 +217,73 @@ def test_weight_finiteness_check_falls_back_where_aminmax_has_no_kernel():
     y = x.clone()
     y[5] = float("nan")
     assert not _all_finite(torch, y)
+
+
+def _wait_tokens(s: EngineSample, n: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while s.published[0] < n:
+        assert time.monotonic() < deadline, "the engine made no progress"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("factor", [0.0, 2000.0])
+def test_scheduler_delay_gathers_arrivals_into_one_prefill(model, factor):
+    """With vLLM's scheduler delay, requests arriving while rows decode wait for the oldest to have
+    waited ``factor`` x the last prefill, then share one prefill; without it each arrival is
+    admitted at the next iteration. An idle engine admits at once either way."""
+    eng = Engine(model, None, context_len=1024, max_batch_size=8, threads=1, scheduler_delay_factor=factor)
+    eng.start()
+    try:
+        long = _sample("long", [3, 9, 27], 600)
+        eng.submit([EngineGroup(long.prompt_ids, [long])])
+        _wait_tokens(long, 2)  # the idle engine admitted it at once
+        late = [_sample(f"late{i}", [11 + i, 5, 6, 7], 4) for i in range(3)]
+        for s in late:
+            eng.submit([EngineGroup(s.prompt_ids, [s])])
+            mark = long.published[0]
+            _wait_tokens(long, mark + 3)  # three decode steps later
+            # the delay is 2000 prefill durations, the three steps about three: still waiting
+            assert (s.published[0] == 0) == (factor > 0), (s.rid, s.published)
+        _wait(late)
+    finally:
+        eng.stop()
+    assert eng.stats["prefill_batches_total"] == (2 if factor else 4)
+    for s in late:
+        assert s.finish_reason["type"] == "length" and len(s.output_ids) == 4
+        ref = recompute_logprobs(model, s.prompt_ids, s.output_ids)
+        assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < 1e-4, s.rid
+
+
+def test_scheduler_delay_must_not_be_negative(model):
+    with pytest.raises(ValueError, match="scheduler_delay_factor must be >= 0"):
+        Engine(model, None, context_len=64, scheduler_delay_factor=-1.0)
+
+
+def test_the_profile_bench_reads_the_prefill_counters_and_checks_its_overrides(capsys):
+    """bench/rollout_profile.py: the prefill counters are read from an exposition; a ``--set``
+    without ``KEY=VALUE`` is refused before anything starts."""
+    from bench.rollout_profile import main, parse_metrics
+
+    text = "\n".join([
+        'asyncrl_rollout_engine_seconds_total{component="decode_forward"} 2.5',
+        'sglang:prompt_tokens_total{model_name="m"} 400.0',
+        "asyncrl_rollout_prefill_forward_tokens_total 120.0",
+        "asyncrl_rollout_prompt_cache_hits_total 6.0",
+    ])
+    m = parse_metrics(text)
+    assert (m["prompt_tokens"], m["prefill_forward_tokens"], m["prompt_cache_hits"]) == (400.0, 120.0, 6.0)
+    assert m["engine"] == {"decode_forward": 2.5}
+    with pytest.raises(SystemExit) as info:
+        main(["--set", "rollout.engine_scheduler_delay_factor"])
+    assert info.value.code == 2 and "--set takes KEY=VALUE" in capsys.readouterr().err
+
+
+def test_the_plain_loop_runs_with_either_sampler(model):
+    """bench/rollout_bench.py's plain loop (the profile's bar) samples with the engine's draw or,
+    as before 2026-11-29, with torch.multinomial; anything else is refused."""
+    from bench.rollout_bench import ceiling
+
+    prompts = [[3, 9, 27, 4], [5, 6, 7, 8]]
+    assert ceiling(model, prompts, 5) > 0 and ceiling(model, prompts, 5, sampler="multinomial") > 0
+    with pytest.raises(ValueError, match="sampler must be 'inverse_cdf' or 'multinomial'"):
+        ceiling(model, prompts, 5, sampler="gumbel")

@@ -348,6 +348,8 @@ class RolloutConfig(_Section):
     """Embedded engine: most sequences decoded together in one step."""
     engine_threads: int | None = Field(None, ge=1)
     """torch threads of each embedded engine (None: the controller's core assignment or torch's default)."""
+    engine_scheduler_delay_factor: float = Field(0.0, ge=0.0, le=1000.0)
+    """Embedded engine: while rows decode, waiting requests are admitted once the oldest has waited this many times the last prefill's duration, so arrivals share one prefill forward pass (vLLM's ``--scheduler-delay-factor``; 0: at every step, SGLang's behaviour; docs/rollout.md)."""
     engine_max_request_bytes: int | None = Field(None, ge=1024, le=2**40)
     """Embedded engine: most bytes of a ``/generate`` or control body (413 beyond); None: 1 MiB + 12 bytes x context length x ``engine_max_prompts_per_request``."""
     engine_max_weights_request_bytes: int | None = Field(None, ge=1024, le=2**40)

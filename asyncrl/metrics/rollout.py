@@ -141,6 +141,15 @@ class RolloutMetrics:
             "Seconds the rollout worker's tasks waited on each kind of call, summed over concurrent tasks.",
             ["component"], registry=r,
         )
+        self.prefill_forward_tokens = Counter(
+            "asyncrl_rollout_prefill_forward_tokens",
+            "Prompt tokens the embedded engine ran through a prefill forward pass (a prompt shared by a "
+            "prefill batch counts once, one served by the prompt cache not at all).", registry=r,
+        )
+        self.prompt_cache_hits = Counter(
+            "asyncrl_rollout_prompt_cache_hits",
+            "Distinct prompts of the embedded engine's prefills served by its prompt cache.", registry=r,
+        )
         self._engine_seen: dict[str, float] = {}
         self.idle = IdleTracker(r, "rollout", "rollout worker: no engine request in flight")
         _zero(self.episodes, TERMINATIONS)
@@ -239,6 +248,22 @@ class RolloutMetrics:
             if delta > 0:
                 self.engine_seconds.labels(component).inc(delta)
                 self._engine_seen[component] = float(total)
+
+    def engine_prefill(self, forward_tokens: int, cache_hits: int) -> None:
+        """Bring the prefill counters up to the engine's running totals (``Engine.stats``'s
+        ``prefill_forward_tokens_total`` and ``prompt_cache_hits_total``, counted since it started).
+
+        Raises:
+            ValueError: a negative total.
+        """
+        _check_nonneg(forward_tokens, "prefill forward tokens")
+        _check_nonneg(cache_hits, "prompt cache hits")
+        for key, counter, total in (("prefill_forward_tokens", self.prefill_forward_tokens, forward_tokens),
+                                    ("prompt_cache_hits", self.prompt_cache_hits, cache_hits)):
+            delta = float(total) - self._engine_seen.get(key, 0.0)
+            if delta > 0:
+                counter.inc(delta)
+                self._engine_seen[key] = float(total)
 
     def worker_time(self, component: str, seconds: float) -> None:
         """Add ``seconds`` the worker spent waiting on ``component`` (:data:`WORKER_COMPONENTS`).
