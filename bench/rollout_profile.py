@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 def parse_metrics(text: str) -> dict[str, Any]:
     """The profile's series of a ``/metrics`` exposition: component seconds and generated tokens."""
-    out: dict[str, Any] = {"engine": {}, "worker": {}}
+    out: dict[str, Any] = {"engine": {}, "worker": {}, "parked": {}}
     for line in text.splitlines():
         m = re.match(r'^asyncrl_rollout_(engine|worker)_seconds_total\{component="(\w+)"\} (\S+)$', line)
         if m:
@@ -70,6 +70,9 @@ def parse_metrics(text: str) -> dict[str, Any]:
         m = re.match(r"^asyncrl_rollout_(prefill_forward_tokens|prompt_cache_hits)_total (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+        m = re.match(r'^asyncrl_rollout_partial_parked_total\{reason="(\w+)"\} (\S+)$', line)
+        if m:  # samples parked mid-answer; each resumes with its prompt and tokens so far prefilled again
+            out["parked"][m.group(1)] = float(m.group(2))
     return out
 
 
@@ -224,6 +227,7 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
         "mean_prompt_tokens": sum(prompt_lens) / max(1, len(prompt_lens)),
         "engine_seconds": {k: v - m0["engine"].get(k, 0.0) for k, v in m1["engine"].items()},
         "worker_seconds": {k: v - m0["worker"].get(k, 0.0) for k, v in m1["worker"].items()},
+        "parked": {k: v - m0["parked"].get(k, 0.0) for k, v in m1["parked"].items()},
         "server_cpu_seconds": {k: v - cpu0[k] for k, v in cpu1.items()},
     })
     return res, model, tok
@@ -304,7 +308,9 @@ def report(r: dict[str, Any]) -> None:
           f"per step; load average {r['load_average'][0]:.1f}")
     if r.get("prefill_forward_tokens") is not None:
         print(f"prompt tokens: {r['prompt_tokens']:.0f} in requests, {r['prefill_forward_tokens']:.0f} through a prefill "
-              f"forward pass; {r['prompt_cache_hits']:.0f} prompts served by the prompt cache")
+              f"forward pass; {r['prompt_cache_hits']:.0f} prompts served by the prompt cache; samples parked "
+              f"mid-answer (then resumed with their prompt and tokens so far prefilled again): "
+              f"{', '.join(f'{k} {v:.0f}' for k, v in r.get('parked', {}).items()) or 'none'}")
     cpu = r.get("server_cpu_seconds", {})
     if cpu:
         print(f"rollout server CPU: event-loop thread {cpu['event_loop_thread']:.1f} s, other threads (engine, OpenMP, "

@@ -269,10 +269,11 @@ def test_the_profile_bench_reads_the_prefill_counters_and_checks_its_overrides(c
         'sglang:prompt_tokens_total{model_name="m"} 400.0',
         "asyncrl_rollout_prefill_forward_tokens_total 120.0",
         "asyncrl_rollout_prompt_cache_hits_total 6.0",
+        'asyncrl_rollout_partial_parked_total{reason="budget"} 9.0',
     ])
     m = parse_metrics(text)
     assert (m["prompt_tokens"], m["prefill_forward_tokens"], m["prompt_cache_hits"]) == (400.0, 120.0, 6.0)
-    assert m["engine"] == {"decode_forward": 2.5}
+    assert m["engine"] == {"decode_forward": 2.5} and m["parked"] == {"budget": 9.0}
     with pytest.raises(SystemExit) as info:
         main(["--set", "rollout.engine_scheduler_delay_factor"])
     assert info.value.code == 2 and "--set takes KEY=VALUE" in capsys.readouterr().err
