@@ -35,7 +35,8 @@ Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request with 
 abort (partial output kept), ``retract`` drops the running rows' KV and re-queues them (they
 are re-prefilled from prompt + output on continue), ``in_place`` just stops stepping (KV kept).
 Simplifications (no radix cache: the prompt cache, rollout_server/prompt_cache.py, matches whole
-prompts only; no chunked prefill, no tensor parallelism):
+prompts, its context cache a later call's prefix that a finished call's context covers; no
+chunked prefill, no tensor parallelism):
 docs/rollout.md.
 """
 
@@ -111,6 +112,10 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
             rollout_server/engine_lora.py; SGLang's ``--max-loaded-loras``).
         prompt_cache_tokens: prompt tokens whose keys/values the prompt cache keeps
             (rollout_server/prompt_cache.py; 0: no cache).
+        context_cache_tokens: tokens of finished samples' contexts (prompt and output) whose
+            keys/values the context cache keeps, so that a later model call of an episode, whose
+            prompt extends an earlier call's context, runs only its new tokens through the model
+            (rollout_server/prompt_cache.py; SGLang's radix cache does this; 0: no cache).
         scheduler_delay_factor: d ≥ 0: while rows are decoding, waiting requests are admitted
             only once the oldest has waited d times the last prefill's duration, so arrivals
             spread over several decode steps share one prefill forward pass (vLLM's
@@ -118,7 +123,7 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
             An idle engine admits at once either way.
 
     Raises:
-        ValueError: ``prompt_cache_tokens`` or ``scheduler_delay_factor`` is negative.
+        ValueError: ``prompt_cache_tokens``, ``context_cache_tokens`` or ``scheduler_delay_factor`` is negative.
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
         fair_step_overhead_rows: float | None = None,
         fair_logprob_weight: float | None = None,
         prompt_cache_tokens: int = 4096,
+        context_cache_tokens: int = 4096,
         scheduler_delay_factor: float = 0.0,
     ):
         import torch
@@ -190,6 +196,7 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
             "prefill_forward_tokens_total": 0,  # prompt tokens run through a prefill forward (shared prompts once)
             "prompt_cache_hits_total": 0,  # distinct prompts of a prefill served by the prompt cache
             "prefill_batches_total": 0,  # admissions (each one prefill of the prompts admitted together)
+            "context_cache_hits_total": 0,  # prompts whose leading tokens came from a finished call's keys/values
             "generation_tokens_total": 0,
             "num_requests_total": 0,
             "num_aborted_requests_total": 0,
@@ -207,6 +214,7 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
         self._throughput_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._profile_init()  # seconds per component of the engine thread (engine_profile.py)
         self.prompt_cache = PromptCache(prompt_cache_tokens) if prompt_cache_tokens else None
+        self.context_cache = PromptCache(context_cache_tokens) if context_cache_tokens else None
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -441,8 +449,9 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
         if any(r is not None for r in self._rows) or self._waiting:
             return False
         self._release_buffers()
-        if self.prompt_cache is not None:
-            self.prompt_cache.clear()
+        for cache in (self.prompt_cache, self.context_cache):
+            if cache is not None:
+                cache.clear()
         return True
 
     # -- abort / retract ----------------------------------------------------------------------

@@ -162,6 +162,7 @@ class EngineOutputs:
                 continue
             if reason is not None:
                 self._finish(s, reason)
+                self._remember_context(s, slot)  # for a later call that extends this one (prompt_cache.py)
                 self._rows[slot] = None
                 finished_any = True
         self.stats["generation_tokens_total"] += len(tokens)

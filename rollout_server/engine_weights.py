@@ -176,8 +176,9 @@ class EngineWeights:
                 with torch.no_grad():  # validated and converted beforehand: copies cannot fail half-way
                     for name, tensor in state.items():
                         params[name].copy_(tensor)
-                if getattr(self, "prompt_cache", None) is not None:  # its keys/values came from the old weights
-                    self.prompt_cache.clear()
+                for cache in (getattr(self, "prompt_cache", None), getattr(self, "context_cache", None)):
+                    if cache is not None:  # their keys/values came from the old weights
+                        cache.clear()
                 if version is not None:
                     self.weight_version = str(version)
                 if adapter is not None:

@@ -1,4 +1,4 @@
-"""The embedded engine's prompt cache: the keys/values and last logits of recently prefilled prompts.
+"""The embedded engine's prompt cache (recently prefilled prompts) and context cache (finished calls).
 
 One job: not prefill the same prompt twice under the same weights. The rollout worker sends
 each of a group's ``n`` samples as its own request and claims them as slots free up, so the
@@ -13,15 +13,30 @@ its token ids and the request's LoRA adapter, least recently used first out, up 
 ``_prefill_forward`` runs the prefill's forward pass over the prompts not in the cache and
 assembles the rest from it. A batch that asks for prompt logprobs bypasses the cache (they need
 every position's logits).
+
+The **context cache** (a second :class:`PromptCache`, no logits) keeps the keys/values of
+finished samples' contexts, their prompt and output but the last token, keyed the same way. A
+multi-call episode's next call sends the earlier call's context, its output and an observation as
+one prompt; a prompt the prompt cache does not hold is looked up by its longest shared prefix
+(:meth:`PromptCache.longest_prefix`, at least :data:`MIN_PREFIX_TOKENS` tokens and
+:data:`MIN_PREFIX_SHARE` of the entry), and only the tokens after it run through the model
+(``_forward_suffix``). Only samples whose every token came from the current weights are kept, and
+every weight update and ``/flush_cache`` empties it, so what it serves is what a recomputation
+gives (SGLang's radix cache, for whole earlier contexts: docs/rollout.md, "Rollout profile").
 """
 
 from __future__ import annotations
 
 import collections
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["EnginePromptCache", "PromptCache"]
+__all__ = ["EnginePromptCache", "PromptCache", "MIN_PREFIX_TOKENS", "MIN_PREFIX_SHARE"]
+
+#: the context cache serves a prompt from an entry sharing at least this many leading tokens ...
+MIN_PREFIX_TOKENS = 16
+#: ... and at least this share of the entry's own tokens
+MIN_PREFIX_SHARE = 0.75
 
 
 class PromptCache:
@@ -67,6 +82,36 @@ class PromptCache:
         self._entries.clear()
         self.tokens = 0
 
+    def longest_prefix(self, adapter: Any, ids: Sequence[int]) -> tuple[int, tuple[list, Any]] | None:
+        """The entry of ``adapter`` that shares the longest prefix with ``ids``, and that length.
+
+        An entry counts only when the shared prefix covers at least :data:`MIN_PREFIX_TOKENS`
+        tokens and :data:`MIN_PREFIX_SHARE` of the entry's own tokens (a later model call of an
+        episode extends the earlier call's context whole; two prompts that share only a chat
+        template's system prompt do not qualify). The prefix is capped at ``len(ids) - 1`` so
+        that at least one token is left to compute the next token's logits from.
+
+        Returns:
+            ``(prefix length, (per-layer (keys, values), logits or None))``, or None; the entry
+            becomes the most recently used.
+        """
+        best, best_len = None, 0
+        limit = len(ids) - 1
+        for key in self._entries:
+            if key[0] is not adapter:
+                continue
+            k = key[1]
+            n = min(len(k), limit)
+            i = 0
+            while i < n and k[i] == ids[i]:
+                i += 1
+            if i > best_len and i >= MIN_PREFIX_TOKENS and i >= MIN_PREFIX_SHARE * len(k):
+                best, best_len = key, i
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        return best_len, self._entries[best]
+
 
 class EnginePromptCache:
     """The prefill's forward pass with the prompt cache (mixin of :class:`rollout_server.engine.Engine`).
@@ -87,6 +132,18 @@ class EnginePromptCache:
         pc = self.prompt_cache if not want_prompt_lp else None
         keys = [(it.samples[0].adapter if it.samples else None, tuple(it.ids)) for it in unique]
         hits = [pc.get(k) if pc is not None else None for k in keys]
+        cc = self.context_cache if not want_prompt_lp else None
+        if cc is not None and len(cc):
+            # a later model call of an episode: its context extends a finished call's, whose
+            # keys/values are kept; only the new tokens run through the model
+            for i, h in enumerate(hits):
+                if h is None:
+                    found = cc.longest_prefix(keys[i][0], unique[i].ids)
+                    if found is not None:
+                        hits[i] = self._forward_suffix(unique[i], *found)
+                        self.stats["context_cache_hits_total"] += 1
+                        if pc is not None and bool(torch.isfinite(hits[i][1]).all()):
+                            pc.put(keys[i], *hits[i])  # the call's other samples are served whole
         fresh = [i for i, h in enumerate(hits) if h is None]
         cache = logits = None
         if fresh:
@@ -139,6 +196,59 @@ class EnginePromptCache:
             if h is not None:
                 all_logits[i, 0] = h[1]
         return SimpleNamespace(layers=out_layers), all_logits
+
+    def _forward_suffix(self, item: Any, prefix_len: int, entry: tuple[list, Any]) -> tuple[list, Any]:
+        """Keys/values and last logits of ``item``'s prompt from a context cache entry whose first
+        ``prefix_len`` positions it shares: one forward pass over the rest of the prompt.
+
+        Returns:
+            ``(per-layer (keys, values) (kv_heads, n, head_dim), last logits (V,) fp32)`` for the
+            item's ``n`` prompt tokens, as a prompt cache entry.
+        """
+        torch = self.torch
+        from transformers import DynamicCache
+
+        dev = self.device
+        P, n = prefix_len, len(item.ids)
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k, v) in enumerate(entry[0]):
+            cache.update(k[None, :, :P], v[None, :, :P], layer)  # copies: the entry stays as it is
+        S = n - P
+        ids = torch.tensor([item.ids[P:]], dtype=torch.long, device=dev)
+        pos = torch.arange(P, n, dtype=torch.long, device=dev)[None]
+        mask4 = torch.ones(S, n, dtype=torch.bool, device=dev).tril(diagonal=P)[None, None]
+        out = self._forward_with_adapters(
+            [item.samples[0].adapter if item.samples else None],
+            input_ids=ids, attention_mask=mask4, position_ids=pos, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats["prefill_forward_tokens_total"] += S
+        for s in item.samples:  # SGLang's meta_info.cached_tokens: the prompt tokens not computed again
+            s.cached_tokens = max(s.cached_tokens, P)
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers], out.logits[0, -1].float()
+
+    def _remember_context(self, s: Any, slot: int) -> None:
+        """Keep a finished sample's keys/values (its prompt and output but the last token, whose
+        keys/values were never computed) in the context cache, for a later call that extends it.
+
+        Only a sample whose every token came from the current weights is kept (the cache is
+        emptied at each weight update; a sample that ran across one, as ``pause_mode: in_place``
+        allows, holds keys/values of two versions).
+        """
+        cc = self.context_cache
+        if cc is None or len(s.output_ids) < 2:
+            return
+        if len(s.version_starts) != 1 or s.version_starts[0][0] != self.weight_version:
+            return
+        torch = self.torch
+        ids = tuple(s.prompt_ids) + tuple(s.output_ids[:-1])
+        if len(ids) > cc.max_tokens:
+            return
+        cols = torch.nonzero(self._mask[slot, : self._length]).flatten()
+        if cols.numel() != len(ids):  # not the layout this expects: keep nothing rather than a wrong entry
+            return
+        kv = [(self._K[layer][slot][:, cols], self._V[layer][slot][:, cols]) for layer in range(self.num_layers)]
+        cc.put((s.adapter, ids), kv, None)
 
     def _forward_prompts(self, items: list[Any], want_prompt_lp: bool) -> tuple[Any, Any]:
         """One left-padded forward pass over ``items``' prompts: ``(DynamicCache, fp32 logits)``."""

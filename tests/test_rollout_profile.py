@@ -288,3 +288,67 @@ def test_the_plain_loop_runs_with_either_sampler(model):
     assert ceiling(model, prompts, 5) > 0 and ceiling(model, prompts, 5, sampler="multinomial") > 0
     with pytest.raises(ValueError, match="sampler must be 'inverse_cdf' or 'multinomial'"):
         ceiling(model, prompts, 5, sampler="gumbel")
+
+
+def test_a_later_call_runs_only_its_new_tokens_from_the_context_cache(model):
+    """An episode's second model call, whose prompt is the first call's prompt and output and an
+    observation, takes the first call's keys/values from the context cache and runs only the rest
+    (its logprobs are still the trainer's recomputation); a prompt sharing only a short prefix is
+    prefilled whole; a weight update empties the cache."""
+    import torch
+
+    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
+    p = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
+    norm = model.state_dict()["model.norm.weight"].detach().clone()
+    eng.start()
+    try:
+        first = _sample("call1", p, 12)
+        eng.submit([EngineGroup(p, [first])])
+        _wait([first])
+        assert len(eng.context_cache) == 1
+        base = eng.stats["prefill_forward_tokens_total"]
+        obs = [7, 8, 9, 10, 12]
+        ctx = p + first.output_ids + obs
+        second = [_sample("call2a", ctx, 6), _sample("call2b", ctx, 6)]  # two samples of the next call
+        eng.submit([EngineGroup(ctx, second)])
+        _wait(second)
+        assert eng.stats["context_cache_hits_total"] == 1
+        # the first call's keys/values cover all but its last output token: that token and the observation run
+        assert eng.stats["prefill_forward_tokens_total"] - base == 1 + len(obs)
+        for s in [first, *second]:
+            ref = recompute_logprobs(model, s.prompt_ids, s.output_ids)
+            assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < 1e-4, s.rid
+        # a prompt that shares only its first 4 tokens with a kept context: prefilled whole
+        other = _sample("other", p[:4] + [90 + i for i in range(20)], 3)
+        base = eng.stats["prefill_forward_tokens_total"]
+        eng.submit([EngineGroup(other.prompt_ids, [other])])
+        _wait([other])
+        assert eng.stats["context_cache_hits_total"] == 1
+        assert eng.stats["prefill_forward_tokens_total"] - base == len(other.prompt_ids)
+        eng.call("update_weights", {"model.norm.weight": norm * 1.5}, "1", False).result(60)
+        assert len(eng.context_cache) == 0 and len(eng.prompt_cache) == 0
+        third = _sample("call3", second[0].prompt_ids + second[0].output_ids + obs, 3)
+        eng.submit([EngineGroup(third.prompt_ids, [third])])
+        _wait([third])
+        assert eng.stats["context_cache_hits_total"] == 1  # the old weights' keys/values are never served
+    finally:
+        eng.stop()
+        with torch.no_grad():
+            model.model.norm.weight.copy_(norm)
+    off = Engine(model, None, context_len=512, max_batch_size=8, threads=1, context_cache_tokens=0)
+    assert off.context_cache is None
+
+
+def test_the_context_cache_matches_a_long_shared_prefix_only():
+    from rollout_server.prompt_cache import MIN_PREFIX_SHARE, MIN_PREFIX_TOKENS, PromptCache
+
+    cache = PromptCache(1000)
+    key = tuple(range(40))
+    cache.put((None, key), ["kv"], None)
+    assert cache.longest_prefix(None, list(range(40)) + [99]) == (40, (["kv"], None))
+    assert cache.longest_prefix(None, list(range(40))) == (39, (["kv"], None))  # one token left to run
+    short = int(MIN_PREFIX_SHARE * 40) - 1
+    assert cache.longest_prefix(None, list(range(short)) + [99] * 10) is None  # under 3/4 of the entry
+    assert cache.longest_prefix("an adapter", list(range(41))) is None  # another adapter's keys/values
+    cache.put((None, tuple(range(MIN_PREFIX_TOKENS - 1))), ["kv2"], None)
+    assert cache.longest_prefix(None, list(range(MIN_PREFIX_TOKENS - 1)) + [7]) is None  # too short to count
