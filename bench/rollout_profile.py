@@ -67,7 +67,7 @@ def parse_metrics(text: str) -> dict[str, Any]:
         m = re.match(r"^sglang:(generation_tokens|prompt_tokens)_total\{[^}]*\} (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
-        m = re.match(r"^asyncrl_rollout_(prefill_forward_tokens|prompt_cache_hits)_total (\S+)$", line)
+        m = re.match(r"^asyncrl_rollout_(prefill_forward_tokens|prompt_cache_hits|context_cache_hits)_total (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
         m = re.match(r'^asyncrl_rollout_partial_parked_total\{reason="(\w+)"\} (\S+)$', line)
@@ -222,7 +222,8 @@ async def workload(a: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], An
         "wall_seconds": wall, "generated_tokens": gen, "max_seconds": a.max_seconds, "tokens_per_second": gen / wall,
         "prompt_tokens": m1.get("prompt_tokens", 0.0) - m0.get("prompt_tokens", 0.0),
         # None: a revision whose server does not export them
-        **{k: (m1[k] - m0.get(k, 0.0) if k in m1 else None) for k in ("prefill_forward_tokens", "prompt_cache_hits")},
+        **{k: (m1[k] - m0.get(k, 0.0) if k in m1 else None)
+           for k in ("prefill_forward_tokens", "prompt_cache_hits", "context_cache_hits")},
         "mean_running_requests": sum(running) / len(running) if running else 0.0,
         "mean_prompt_tokens": sum(prompt_lens) / max(1, len(prompt_lens)),
         "engine_seconds": {k: v - m0["engine"].get(k, 0.0) for k, v in m1["engine"].items()},
@@ -308,7 +309,8 @@ def report(r: dict[str, Any]) -> None:
           f"per step; load average {r['load_average'][0]:.1f}")
     if r.get("prefill_forward_tokens") is not None:
         print(f"prompt tokens: {r['prompt_tokens']:.0f} in requests, {r['prefill_forward_tokens']:.0f} through a prefill "
-              f"forward pass; {r['prompt_cache_hits']:.0f} prompts served by the prompt cache; samples parked "
+              f"forward pass; {r['prompt_cache_hits']:.0f} prompts served by the prompt cache, "
+              f"{r.get('context_cache_hits') or 0:.0f} from the context cache; samples parked "
               f"mid-answer (then resumed with their prompt and tokens so far prefilled again): "
               f"{', '.join(f'{k} {v:.0f}' for k, v in r.get('parked', {}).items()) or 'none'}")
     cpu = r.get("server_cpu_seconds", {})

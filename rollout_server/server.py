@@ -476,7 +476,8 @@ class RolloutHTTPServer(WeightEndpoints):
         if self.rollout_metrics is not None:  # the engine thread's seconds by component, up to now
             self.rollout_metrics.engine_profile(self.engine.profile_snapshot())
             stats = self.engine.stats
-            self.rollout_metrics.engine_prefill(stats["prefill_forward_tokens_total"], stats["prompt_cache_hits_total"])
+            self.rollout_metrics.engine_prefill(stats["prefill_forward_tokens_total"], stats["prompt_cache_hits_total"],
+                                                stats["context_cache_hits_total"])
         body, content_type = exposition(self.registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 

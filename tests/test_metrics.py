@@ -39,7 +39,7 @@ def drive_role(role: str):
         m.inflight_requests.set(4)
         m.weights_loaded(3, "disk", duration_seconds=1.5, lag_seconds=2.0)
         m.engine_profile({"decode_forward": 2.5, "idle": 1.0})
-        m.engine_prefill(120, 3)
+        m.engine_prefill(120, 3, 2)
         m.worker_time("scoring", 0.25)
         m.idle.set_idle(False)
     elif role == "buffer":

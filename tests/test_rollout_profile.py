@@ -130,6 +130,7 @@ async def test_metrics_export_the_profile(model_dir):
     # the same prompt twice under the same weights: prefilled once, served once by the prompt cache
     assert re.search(r"^asyncrl_rollout_prefill_forward_tokens_total 3\.0$", text, re.M), text
     assert re.search(r"^asyncrl_rollout_prompt_cache_hits_total 1\.0$", text, re.M), text
+    assert re.search(r"^asyncrl_rollout_context_cache_hits_total 0\.0$", text, re.M), text
 
 
 def test_prompt_cache_serves_a_prompt_prefilled_before(model):

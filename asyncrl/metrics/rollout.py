@@ -150,6 +150,11 @@ class RolloutMetrics:
             "asyncrl_rollout_prompt_cache_hits",
             "Distinct prompts of the embedded engine's prefills served by its prompt cache.", registry=r,
         )
+        self.context_cache_hits = Counter(
+            "asyncrl_rollout_context_cache_hits",
+            "Prompts of the embedded engine's prefills whose leading tokens came from its context cache "
+            "(a finished call's keys/values).", registry=r,
+        )
         self._engine_seen: dict[str, float] = {}
         self.idle = IdleTracker(r, "rollout", "rollout worker: no engine request in flight")
         _zero(self.episodes, TERMINATIONS)
@@ -249,17 +254,20 @@ class RolloutMetrics:
                 self.engine_seconds.labels(component).inc(delta)
                 self._engine_seen[component] = float(total)
 
-    def engine_prefill(self, forward_tokens: int, cache_hits: int) -> None:
+    def engine_prefill(self, forward_tokens: int, cache_hits: int, context_hits: int = 0) -> None:
         """Bring the prefill counters up to the engine's running totals (``Engine.stats``'s
-        ``prefill_forward_tokens_total`` and ``prompt_cache_hits_total``, counted since it started).
+        ``prefill_forward_tokens_total``, ``prompt_cache_hits_total`` and
+        ``context_cache_hits_total``, counted since it started).
 
         Raises:
             ValueError: a negative total.
         """
         _check_nonneg(forward_tokens, "prefill forward tokens")
         _check_nonneg(cache_hits, "prompt cache hits")
+        _check_nonneg(context_hits, "context cache hits")
         for key, counter, total in (("prefill_forward_tokens", self.prefill_forward_tokens, forward_tokens),
-                                    ("prompt_cache_hits", self.prompt_cache_hits, cache_hits)):
+                                    ("prompt_cache_hits", self.prompt_cache_hits, cache_hits),
+                                    ("context_cache_hits", self.context_cache_hits, context_hits)):
             delta = float(total) - self._engine_seen.get(key, 0.0)
             if delta > 0:
                 counter.inc(delta)
