@@ -166,6 +166,7 @@ def test_agent_check_on_the_shipped_records():
             assert r[q]["predicted"] >= 0 and r[q]["measured"] >= 0
     ratio = {q["arm"]: q for q in res["ratios"]}
     assert ratio["async"]["predicted"] > 1 and ratio["async"]["measured"] > 1  # the sign: async steps are faster
+    assert ratio["overlap"]["runs"] == 3 and ratio["overlap"]["measured"] > 1  # the configs' default since 2026-11-29
     table = format_agent_validation(res)
     assert "| sync-s1 |" in table and "| async |" in table
 

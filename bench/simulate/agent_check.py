@@ -36,7 +36,8 @@ _BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
 #: The episodes of the measured runs, keyed ``<arm>-s<seed>``.
 EPISODES_FILE = _BENCH / "calculator_episodes.json"
 #: The multiseed records whose runs are predicted.
-MEASURED_FILES = ("multiseed_calculator_remote.json", "multiseed_calculator_remote_async_b192.json")
+MEASURED_FILES = ("multiseed_calculator_remote.json", "multiseed_calculator_remote_async_b192.json",
+                  "multiseed_calculator_remote_overlap.json")
 #: The calculator job's prompt: SmolLM2's chat template around the config's system prompt,
 #: "What is 47 * 86?" and the "<calc>" prefill (66 tokens with the model's tokenizer).
 CALC_PROMPT_TOKENS = 66
@@ -52,6 +53,7 @@ CALC_ARMS = {
     "async": (8, 0.75, 64, 2, "split"),
     "async_eta1": (8, 0.75, 64, 1, "split"),
     "async_b192": (8, 0.75, 192, 2, "split"),
+    "overlap": (6, 1.0, 192, 1, "split"),  # the sync arm's knobs with η 1: the configs' default since 2026-11-29
 }
 
 
