@@ -154,6 +154,8 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
                              f"got {scheduler_delay_factor}")
         self.scheduler_delay_factor = float(scheduler_delay_factor)
         self._last_prefill_seconds = 0.0  # wall time of the last prefill (forward pass and first tokens)
+        #: weight updates applied so far, named or not (a row's keys/values are current if none came since its prefill)
+        self.weights_epoch = 0
 
         self.torch = torch
         self.model = model.eval()

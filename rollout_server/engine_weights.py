@@ -179,6 +179,9 @@ class EngineWeights:
                 for cache in (getattr(self, "prompt_cache", None), getattr(self, "context_cache", None)):
                     if cache is not None:  # their keys/values came from the old weights
                         cache.clear()
+                # counts applied updates, named or not: a row's keys/values are from the current
+                # weights only if none was applied since its prefill (prompt_cache._remember_context)
+                self.weights_epoch += 1
                 if version is not None:
                     self.weight_version = str(version)
                 if adapter is not None:

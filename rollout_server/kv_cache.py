@@ -41,6 +41,7 @@ class _Row:
     sample: EngineSample
     start: int  # first real column of this row in the batch buffer
     holes: int = 0  # masked columns inside [start, length): decode steps this row skipped (engine_fair.py)
+    epoch: int = 0  # the engine's weights_epoch when the row was prefilled (its keys/values' weights)
 
 
 class _BufferLayer:
@@ -135,7 +136,7 @@ class KVCacheSlots:
         k = 0
         for n, _, go in placements:
             for j, s in enumerate(go):
-                self._rows[slots[k + j]] = _Row(s, Lc - n)
+                self._rows[slots[k + j]] = _Row(s, Lc - n, epoch=self.weights_epoch)
             k += len(go)
         self._next[idx] = torch.tensor(tokens, dtype=torch.long, device=dev)
         return slots

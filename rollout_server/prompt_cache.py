@@ -231,14 +231,15 @@ class EnginePromptCache:
         """Keep a finished sample's keys/values (its prompt and output but the last token, whose
         keys/values were never computed) in the context cache, for a later call that extends it.
 
-        Only a sample whose every token came from the current weights is kept (the cache is
-        emptied at each weight update; a sample that ran across one, as ``pause_mode: in_place``
-        allows, holds keys/values of two versions).
+        Only a row prefilled under the current weights is kept (the cache is emptied at each
+        weight update; a row that ran across one, as ``pause_mode: in_place`` allows, holds keys
+        and values of two versions). An update counts whether or not it named a version.
         """
         cc = self.context_cache
         if cc is None or len(s.output_ids) < 2:
             return
-        if len(s.version_starts) != 1 or s.version_starts[0][0] != self.weight_version:
+        row = self._rows[slot]
+        if row is None or row.epoch != self.weights_epoch:
             return
         torch = self.torch
         ids = tuple(s.prompt_ids) + tuple(s.output_ids[:-1])

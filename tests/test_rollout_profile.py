@@ -353,3 +353,31 @@ def test_the_context_cache_matches_a_long_shared_prefix_only():
     assert cache.longest_prefix("an adapter", list(range(41))) is None  # another adapter's keys/values
     cache.put((None, tuple(range(MIN_PREFIX_TOKENS - 1))), ["kv2"], None)
     assert cache.longest_prefix(None, list(range(MIN_PREFIX_TOKENS - 1)) + [7]) is None  # too short to count
+
+
+def test_a_row_that_ran_across_an_unnamed_weight_update_is_not_kept(model):
+    """An in-place update without a version name leaves the version string as it was; the row
+    decoding across it holds keys/values of both weights and is not kept for a later call."""
+    import torch
+
+    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
+    p = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
+    norm = model.state_dict()["model.norm.weight"].detach().clone()
+    eng.start()
+    try:
+        s = _sample("across", p, 300)
+        eng.submit([EngineGroup(p, [s])])
+        deadline = time.monotonic() + 120
+        while s.published[0] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        eng.call("pause", "in_place").result(60)
+        eng.call("update_weights", {"model.norm.weight": norm * 1.5}, None, False).result(60)
+        eng.call("resume").result(60)
+        _wait([s])
+        assert s.finish_reason["type"] == "length" and eng.weights_epoch == 1
+        assert len(eng.context_cache) == 0
+    finally:
+        eng.stop()
+        with torch.no_grad():
+            model.model.norm.weight.copy_(norm)
