@@ -400,7 +400,8 @@ def test_synchronous_equivalence(tmp_path, tiny_model_dir, redis_url):
     assert_same_steps(records, plain)
     # not vacuous: the loss is non-zero in most steps, the policy moved, and the weights agree
     assert sum(abs(r["loss"]) > 1e-3 for r in records) >= 3, [r["loss"] for r in records]
-    assert sum(len(r["micro_batches"]) > 1 for r in records) == STEPS
+    # most steps accumulate over several micro-batches (which ones depends on the sampled lengths)
+    assert sum(len(r["micro_batches"]) > 1 for r in records) >= 3, [len(r["micro_batches"]) for r in records]
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
