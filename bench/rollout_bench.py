@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     header = {"model": record_path(path), "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
               "threads": a.threads, "streaming": "cumulative" if a.cumulative else "incremental",
-              "server": not a.no_server, "cpu_count": os.cpu_count(), "concurrency_asked": list(a.concurrency)}
+              "server": not a.no_server, "cpu_count": os.cpu_count(), "concurrency_asked": list(a.concurrency),
+              "ceiling_sampler": a.sampler}
     if a.device != "cpu" or a.dtype != "float32":
         header.update(device=a.device, dtype=a.dtype,
                       device_name=torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else a.device)
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # warm both paths once
-        ceiling(model, prompts_all[:2], 4, device=a.device)
+        ceiling(model, prompts_all[:2], 4, device=a.device, sampler=a.sampler)
         if srv is not None:
             asyncio.run(server_run(srv.url, prompts_all[:2], 4))
         for B in a.concurrency:

@@ -252,11 +252,11 @@ def test_rollout_bench_writes_each_batch_size_as_it_is_measured(tmp_path, tiny_m
     real = rb.ceiling
     calls = []
 
-    def stop_at_second_size(model, prompts, gen_tokens, seed=0, device="cpu"):
+    def stop_at_second_size(model, prompts, gen_tokens, **kw):
         calls.append(len(prompts))
         if len(prompts) == 2 and gen_tokens == 2:
             raise KeyboardInterrupt("stopped from outside")
-        return real(model, prompts, gen_tokens, seed=seed, device=device)
+        return real(model, prompts, gen_tokens, **kw)
 
     monkeypatch.setattr(rb, "ceiling", stop_at_second_size)
     out = tmp_path / "decode.json"
@@ -271,6 +271,7 @@ def test_rollout_bench_writes_each_batch_size_as_it_is_measured(tmp_path, tiny_m
     assert rb.main(argv) == 0
     done = json.loads(out.read_text())
     assert done["complete"] is True and [r["concurrency"] for r in done["rows"]] == [1, 2]
+    assert done["ceiling_sampler"] == "inverse_cdf"  # the engine's draw (--sampler multinomial: the loop before 2026-11-29)
 
 
 def _ctx(tmp_path, *argv):
