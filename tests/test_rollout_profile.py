@@ -8,6 +8,7 @@ no timing thresholds: only that the accounting is complete and lands in the righ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 
@@ -291,18 +292,34 @@ def test_the_plain_loop_runs_with_either_sampler(model):
         ceiling(model, prompts, 5, sampler="gumbel")
 
 
+#: a prompt long enough for the context cache (>= MIN_PREFIX_TOKENS with its output)
+LONG_PROMPT = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
+
+
+@contextlib.contextmanager
+def _engine_keeping_norm(model):
+    """A started engine on the module's shared model, and the model's final norm weights, given
+    back when done (tests that apply a weight update change them)."""
+    import torch
+
+    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
+    norm = model.state_dict()["model.norm.weight"].detach().clone()
+    eng.start()
+    try:
+        yield eng, norm
+    finally:
+        eng.stop()
+        with torch.no_grad():
+            model.model.norm.weight.copy_(norm)
+
+
 def test_a_later_call_runs_only_its_new_tokens_from_the_context_cache(model):
     """An episode's second model call, whose prompt is the first call's prompt and output and an
     observation, takes the first call's keys/values from the context cache and runs only the rest
     (its logprobs are still the trainer's recomputation); a prompt sharing only a short prefix is
     prefilled whole; a weight update empties the cache."""
-    import torch
-
-    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
-    p = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
-    norm = model.state_dict()["model.norm.weight"].detach().clone()
-    eng.start()
-    try:
+    p = LONG_PROMPT
+    with _engine_keeping_norm(model) as (eng, norm):
         first = _sample("call1", p, 12)
         eng.submit([EngineGroup(p, [first])])
         _wait([first])
@@ -332,10 +349,6 @@ def test_a_later_call_runs_only_its_new_tokens_from_the_context_cache(model):
         eng.submit([EngineGroup(third.prompt_ids, [third])])
         _wait([third])
         assert eng.stats["context_cache_hits_total"] == 1  # the old weights' keys/values are never served
-    finally:
-        eng.stop()
-        with torch.no_grad():
-            model.model.norm.weight.copy_(norm)
     off = Engine(model, None, context_len=512, max_batch_size=8, threads=1, context_cache_tokens=0)
     assert off.context_cache is None
 
@@ -358,26 +371,13 @@ def test_the_context_cache_matches_a_long_shared_prefix_only():
 def test_a_row_that_ran_across_an_unnamed_weight_update_is_not_kept(model):
     """An in-place update without a version name leaves the version string as it was; the row
     decoding across it holds keys/values of both weights and is not kept for a later call."""
-    import torch
-
-    eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
-    p = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
-    norm = model.state_dict()["model.norm.weight"].detach().clone()
-    eng.start()
-    try:
-        s = _sample("across", p, 300)
-        eng.submit([EngineGroup(p, [s])])
-        deadline = time.monotonic() + 120
-        while s.published[0] < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+    with _engine_keeping_norm(model) as (eng, norm):
+        s = _sample("across", LONG_PROMPT, 300)
+        eng.submit([EngineGroup(s.prompt_ids, [s])])
+        _wait_tokens(s, 2)
         eng.call("pause", "in_place").result(60)
         eng.call("update_weights", {"model.norm.weight": norm * 1.5}, None, False).result(60)
         eng.call("resume").result(60)
         _wait([s])
         assert s.finish_reason["type"] == "length" and eng.weights_epoch == 1
         assert len(eng.context_cache) == 0
-    finally:
-        eng.stop()
-        with torch.no_grad():
-            model.model.norm.weight.copy_(norm)
