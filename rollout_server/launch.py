@@ -49,6 +49,12 @@ class ServerHandle:
             p.wait()
 
 
+def by_name_lora_slots(cfg: "AsyncRLConfig") -> int:
+    """Named LoRA adapters an embedded engine keeps with ``lora_mode: by_name``: the worker holds
+    ``buffer.max_staleness + 1`` versions, one more while it swaps."""
+    return cfg.buffer.max_staleness + 2
+
+
 def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_version: str | int = 0,
                    python: str | None = None) -> list[str]:
     """argv of the embedded engine server for one rollout server (mirrors SGLang's flags)."""
@@ -58,7 +64,7 @@ def engine_command(cfg: "AsyncRLConfig", model_path: str, port: int, weight_vers
            "--max-running-requests", str(r.engine_max_batch_size), "--random-seed", str(cfg.run.seed)]
     cmd += limit_flags(r)  # rollout.engine_* limits (docs/rollout.md#limits)
     if cfg.resolved_lora_mode() == "by_name":  # the worker keeps max_staleness + 1, one more while it swaps
-        cmd += ["--max-loaded-loras", str(cfg.buffer.max_staleness + 2)]
+        cmd += ["--max-loaded-loras", str(by_name_lora_slots(cfg))]
     if r.incremental_streaming:
         cmd.append("--incremental-streaming-output")
     if r.engine_threads:

@@ -33,9 +33,9 @@ from typing import Any, Sequence
 
 __all__ = ["EnginePromptCache", "PromptCache", "MIN_PREFIX_TOKENS", "MIN_PREFIX_SHARE"]
 
-#: the context cache serves a prompt from an entry sharing at least this many leading tokens ...
+#: fewest leading tokens a prompt must share with a context cache entry to be served from it
 MIN_PREFIX_TOKENS = 16
-#: ... and at least this share of the entry's own tokens
+#: smallest share of a context cache entry's own tokens that the shared prefix must cover
 MIN_PREFIX_SHARE = 0.75
 
 

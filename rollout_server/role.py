@@ -80,6 +80,7 @@ def embedded_server_options(cfg: Any, model_path: str, port: int, index: int, co
     ``index`` of a run: the same ``rollout.engine_*`` settings a launched server gets as flags
     (:func:`rollout_server.launch.engine_command`), so a config means the same on either path."""
     from asyncrl.core.secret_values import reveal
+    from rollout_server.launch import by_name_lora_slots
     from rollout_server.limits import limits_from_config
     from rollout_server.server_options import ServerOptions
 
@@ -93,8 +94,7 @@ def embedded_server_options(cfg: Any, model_path: str, port: int, index: int, co
         # resources.rollout_gpus: the controller exports them as CUDA_VISIBLE_DEVICES
         device="cuda" if cfg.resources.rollout_gpus else "cpu",
         limits=limits_from_config(r), scheduler_delay_factor=r.engine_scheduler_delay_factor,
-        # by_name LoRA keeps max_staleness + 1 adapters, one more while it swaps (as launch.py)
-        max_loaded_loras=cfg.buffer.max_staleness + 2 if cfg.resolved_lora_mode() == "by_name" else 8,
+        max_loaded_loras=by_name_lora_slots(cfg) if cfg.resolved_lora_mode() == "by_name" else 8,
     )
 
 
