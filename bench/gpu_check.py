@@ -492,7 +492,7 @@ STAGES: list[Stage] = [
           ["cuda", "stage:model", "redis", "module:deepspeed", "module:aiohttp", "module:redis",
            "module:pydantic_settings", "module:math_verify", "module:psutil"],
           command=_main_job_cmd, env=_main_job_env, collect=_main_job_collect),
-    Stage("gpu_tests", "pytest -m gpu (tests marked gpu)", 130, ["cuda", "module:pytest", "module:pytest_asyncio"],
+    Stage("gpu_tests", "pytest -m gpu (tests marked gpu)", 160, ["cuda", "module:pytest", "module:pytest_asyncio"],
           command=_gpu_tests_cmd, collect=_gpu_tests_collect, ok_returncodes=(0, 5)),
     Stage("sglang", "is SGLang importable, which version", 15, ["module:sglang"], command=_sglang_cmd,
           collect=_sglang_collect),

@@ -296,12 +296,23 @@ def test_the_plain_loop_runs_with_either_sampler(model):
 LONG_PROMPT = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
 
 
+#: the engine runs where its model is; the CUDA case runs in ``bench/gpu_check.sh``'s ``gpu_tests``
+#: stage (``-m gpu``) and is skipped on a machine without a CUDA GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
 @contextlib.contextmanager
-def _engine_keeping_norm(model):
-    """A started engine on the module's shared model, and the model's final norm weights, given
-    back when done (tests that apply a weight update change them)."""
+def _engine_keeping_norm(model, device: str = "cpu"):
+    """A started engine on the module's shared model (on the CPU) or on a copy of it on ``device``,
+    and that model's final norm weights, given back when done (tests that apply a weight update
+    change them)."""
+    import copy
+
     import torch
 
+    if device != "cpu":
+        model = copy.deepcopy(model).to(device)
     eng = Engine(model, None, context_len=512, max_batch_size=8, threads=1)
     norm = model.state_dict()["model.norm.weight"].detach().clone()
     eng.start()
@@ -313,13 +324,14 @@ def _engine_keeping_norm(model):
             model.model.norm.weight.copy_(norm)
 
 
-def test_a_later_call_runs_only_its_new_tokens_from_the_context_cache(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_later_call_runs_only_its_new_tokens_from_the_context_cache(model, device):
     """An episode's second model call, whose prompt is the first call's prompt and output and an
     observation, takes the first call's keys/values from the context cache and runs only the rest
-    (its logprobs are still the trainer's recomputation); a prompt sharing only a short prefix is
-    prefilled whole; a weight update empties the cache."""
+    (its logprobs are still the trainer's recomputation, on the CPU in fp32); a prompt sharing only
+    a short prefix is prefilled whole; a weight update empties the cache."""
     p = LONG_PROMPT
-    with _engine_keeping_norm(model) as (eng, norm):
+    with _engine_keeping_norm(model, device) as (eng, norm):
         first = _sample("call1", p, 12)
         eng.submit([EngineGroup(p, [first])])
         _wait([first])

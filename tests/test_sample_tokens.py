@@ -29,13 +29,25 @@ def no_stops(_row) -> set[int]:
     return set()
 
 
+#: the sampler runs where the engine's logits are; the CUDA cases run in ``bench/gpu_check.sh``'s
+#: ``gpu_tests`` stage (``-m gpu``) and are skipped on a machine without a CUDA GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def gen(device: str, seed: int) -> torch.Generator:
+    """A seeded generator on ``device`` (the sampler draws on the logits' device)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def reference_logprobs(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """log_softmax(logits / T) per row, in float64 (T = 1 for greedy rows)."""
     temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float64)
     return torch.log_softmax(logits.double() / temps[:, None], dim=-1)
 
 
-def test_behaviour_and_top_logprobs_are_the_log_softmax_of_the_scaled_logits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_behaviour_and_top_logprobs_are_the_log_softmax_of_the_scaled_logits(device):
     g = torch.Generator().manual_seed(0)
     V = 3000
     logits = torch.randn(6, V, generator=g) * 4
@@ -48,10 +60,10 @@ def test_behaviour_and_top_logprobs_are_the_log_softmax_of_the_scaled_logits():
         Row(SamplingParams(temperature=1.0, top_k=20)),
         Row(SamplingParams(temperature=0.9, top_p=0.5, min_p=0.01)),
     ]
-    before = logits.clone()
-    tokens, lps, tops = sample_tokens(logits, rows, no_stops, torch.Generator().manual_seed(1))
-    assert torch.equal(logits, before)  # the caller's logits are not modified
-    ref = reference_logprobs(logits, rows)
+    on_device = logits.to(device)
+    tokens, lps, tops = sample_tokens(on_device, rows, no_stops, gen(device, 1))
+    assert torch.equal(on_device.cpu(), logits)  # the caller's logits are not modified
+    ref = reference_logprobs(logits, rows)  # on the CPU, in float64
     for i, (t, lp) in enumerate(zip(tokens, lps)):
         assert lp == pytest.approx(float(ref[i, t]), abs=1e-4), i
         assert t >= 100 or i != 2, "a token masked to -inf was drawn"
@@ -64,7 +76,8 @@ def test_behaviour_and_top_logprobs_are_the_log_softmax_of_the_scaled_logits():
     assert tops[1] is None and tops[4] is None and tops[5] is None
 
 
-def test_draws_follow_the_softmax_of_the_scaled_logits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_draws_follow_the_softmax_of_the_scaled_logits(device):
     """A chi-square test of 20,000 draws over a 6-token vocabulary at T = 0.8 and at T = 1 (all rows
     one batched multinomial), and under top-k (the kept tokens renormalised)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
@@ -72,7 +85,7 @@ def test_draws_follow_the_softmax_of_the_scaled_logits():
     for params, keep in ((SamplingParams(temperature=0.8), 6), (SamplingParams(temperature=1.0), 6),
                          (SamplingParams(temperature=1.0, top_k=3), 3)):
         rows = [Row(params) for _ in range(N)]
-        tokens, _, _ = sample_tokens(logits.expand(N, -1), rows, no_stops, torch.Generator().manual_seed(7))
+        tokens, _, _ = sample_tokens(logits.to(device).expand(N, -1), rows, no_stops, gen(device, 7))
         counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
         p = torch.softmax(logits[0].double() / params.temperature, -1)
         p[keep:] = 0.0
@@ -83,19 +96,20 @@ def test_draws_follow_the_softmax_of_the_scaled_logits():
         assert chi2 < 25.0, (params, counts.tolist(), expected.tolist())  # 5 dof: p < 1e-4 by chance
 
 
-def test_seeded_rows_repeat_and_do_not_touch_the_shared_generator():
-    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_repeat_and_do_not_touch_the_shared_generator(device):
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3)).to(device)
 
     def run():
-        rows = [Row(SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(11 + i)) for i in range(3)]
-        shared = torch.Generator().manual_seed(5)
+        rows = [Row(SamplingParams(temperature=1.0), generator=gen(device, 11 + i)) for i in range(3)]
+        shared = gen(device, 5)
         out = [sample_tokens(logits, rows, no_stops, shared)[0] for _ in range(20)]
         return out, shared.get_state()
 
     a, state_a = run()
     b, state_b = run()
     assert a == b
-    assert torch.equal(state_a, state_b) and torch.equal(state_a, torch.Generator().manual_seed(5).get_state())
+    assert torch.equal(state_a, state_b) and torch.equal(state_a, gen(device, 5).get_state())
 
 
 def test_rows_without_a_valid_distribution_are_named():
@@ -141,16 +155,17 @@ def test_the_engines_nonfinite_row_check_tells_an_overflowing_sum_from_an_infini
     assert EngineOutputs._nonfinite_rows(eng, logits[[0, 3]]) == []
 
 
-def test_inverse_cdf_never_draws_a_zero_weight_token_even_at_the_ends():
+@pytest.mark.parametrize("device", DEVICES)
+def test_inverse_cdf_never_draws_a_zero_weight_token_even_at_the_ends(device):
     """u = 0 draws the first token with weight, u just below 1 the last; zero-weight tokens
     between, before and after are never drawn (the float64 cumulative sum leaves them empty)."""
     from rollout_server.sampling import inverse_cdf_sample
 
-    w = torch.tensor([[0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0]] * 4)
-    u = torch.tensor([[0.0], [0.3], [0.5], [1.0 - 2 ** -53]], dtype=torch.float64)
+    w = torch.tensor([[0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0]] * 4, device=device)
+    u = torch.tensor([[0.0], [0.3], [0.5], [1.0 - 2 ** -53]], dtype=torch.float64, device=device)
     assert inverse_cdf_sample(w, u).tolist() == [2, 2, 4, 4]
-    u_all = torch.rand(5000, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    u_all = torch.rand(5000, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(device)
     drawn = set(inverse_cdf_sample(w[:1].expand(5000, -1), u_all).tolist())
     assert drawn == {2, 4}
     # a uniform that rounds up to the total (u x total == total) falls back to the last token with weight
-    assert inverse_cdf_sample(w[:1], torch.tensor([[1.0]], dtype=torch.float64)).tolist() == [4]
+    assert inverse_cdf_sample(w[:1], torch.tensor([[1.0]], dtype=torch.float64, device=device)).tolist() == [4]
