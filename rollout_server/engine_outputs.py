@@ -161,8 +161,14 @@ class EngineOutputs:
                 finished_any = True
                 continue
             if reason is not None:
+                # kept for a later call that extends this one (prompt_cache.py) before the sample is
+                # marked finished: whoever sees it finished (the HTTP answer, a waiting test) and
+                # sends the next call finds its keys/values already there
+                try:
+                    self._remember_context(s, slot)
+                except Exception:  # an optimisation only (e.g. no memory for the copy): the sample still finishes
+                    log.warning("could not keep request %s in the context cache", s.rid, exc_info=True)
                 self._finish(s, reason)
-                self._remember_context(s, slot)  # for a later call that extends this one (prompt_cache.py)
                 self._rows[slot] = None
                 finished_any = True
         self.stats["generation_tokens_total"] += len(tokens)

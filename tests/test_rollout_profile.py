@@ -365,6 +365,23 @@ def test_a_later_call_runs_only_its_new_tokens_from_the_context_cache(model, dev
     assert off.context_cache is None
 
 
+def test_a_context_cache_failure_never_fails_the_request(model, caplog):
+    """Keeping a finished row's keys/values is an optimisation: if it raises (say no memory for the
+    copy), the sample still finishes with all its tokens, and the cache keeps nothing."""
+    with _engine_keeping_norm(model) as (eng, _norm):
+        def broken(_s, _slot):
+            raise MemoryError("no memory for the copy")
+
+        eng._remember_context = broken
+        s = _sample("kept-going", LONG_PROMPT, 6)
+        with caplog.at_level("WARNING", logger="rollout_server.engine"):
+            eng.submit([EngineGroup(s.prompt_ids, [s])])
+            _wait([s])
+        assert len(s.output_ids) == 6 and s.finish_reason["type"] == "length"
+        assert len(eng.context_cache) == 0
+        assert "could not keep request kept-going in the context cache" in caplog.text
+
+
 def test_the_context_cache_matches_a_long_shared_prefix_only():
     from rollout_server.prompt_cache import MIN_PREFIX_SHARE, MIN_PREFIX_TOKENS, PromptCache
 
