@@ -322,22 +322,34 @@ class EngineClient:
         return await self._call("POST", "/continue_generation", {})
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       abort_all_requests: bool = False, timeout: float | None = 600.0) -> dict:
-        """``/update_weights_from_disk``; raises :class:`EngineError` when ``success`` is false."""
+                                       abort_all_requests: bool = False, timeout: float | None = 600.0,
+                                       flush_cache: bool = True) -> dict:
+        """``/update_weights_from_disk``; raises :class:`EngineError` when ``success`` is false.
+
+        ``flush_cache=False`` (sent only then: SGLang releases before the field took it as
+        default) keeps the engine's cached keys/values of the old weights for prefixes of later
+        requests, as ``pause_mode: in_place`` keeps those of running requests.
+        """
         body = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if not flush_cache:
+            body["flush_cache"] = False
         return await self._weights_call("/update_weights_from_disk", body, timeout)
 
     async def update_weights_from_tensor(self, named_tensors: dict[str, Any], weight_version: str | None = None,
-                                         abort_all_requests: bool = False, timeout: float | None = 600.0) -> dict:
-        """``/update_weights_from_tensor`` with a base64 safetensors payload (embedded engine only)."""
+                                         abort_all_requests: bool = False, timeout: float | None = 600.0,
+                                         flush_cache: bool = True) -> dict:
+        """``/update_weights_from_tensor`` with a base64 safetensors payload (embedded engine only);
+        ``flush_cache`` as for :meth:`update_weights_from_disk`."""
         from asyncrl.core.weights import encode_safetensors_payload
 
         body = {"serialized_named_tensors": [encode_safetensors_payload(named_tensors)],
                 "load_format": "safetensors", "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if not flush_cache:
+            body["flush_cache"] = False
         return await self._weights_call("/update_weights_from_tensor", body, timeout)
 
     async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> dict:

@@ -156,6 +156,10 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
         self._last_prefill_seconds = 0.0  # wall time of the last prefill (forward pass and first tokens)
         #: weight updates applied so far, named or not (a row's keys/values are current if none came since its prefill)
         self.weights_epoch = 0
+        # weights_epoch after the last update that flushed the caches (SGLang's ``flush_cache``, true
+        # by default): a row prefilled before it holds keys/values of weights the caller asked to
+        # forget, so the context cache never keeps it (prompt_cache._remember_context)
+        self.kv_flush_epoch = 0
 
         self.torch = torch
         self.model = model.eval()
@@ -184,7 +188,8 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._waiting: collections.deque[_Item] = collections.deque()
         self._paused: str | None = None
-        self._pending_updates: list[tuple[dict, str | None, Future, dict | None]] = []
+        # (state, version, future, merged adapter info or None, flush_cache)
+        self._pending_updates: list[tuple[dict, str | None, Future, dict | None, bool]] = []
         self.lora_adapter: dict | None = None  # the merged LoRA adapter (engine_weights.py), None: none
         self._lora_base: dict | None = None  # base values of the tensors an adapter was merged into
         self._init_lora(max_loaded_loras)  # named adapters applied per request (engine_lora.py)
@@ -256,7 +261,8 @@ class Engine(EngineProfile, EnginePrefill, EnginePromptCache, KVCacheSlots, Engi
         """Run a control command in the engine thread between steps; returns its Future.
 
         Commands: ``pause(mode)``, ``resume()``, ``update_weights(state_dict, version,
-        abort_all)``, ``update_adapter(adapter_state, adapter_config, checksum, version, abort_all)``,
+        abort_all[, flush_cache])``, ``update_adapter(adapter_state, adapter_config, checksum, version,
+        abort_all[, flush_cache])``,
         ``load_lora(name, path, adapter_state, adapter_config, checksum)``, ``unload_lora(name)``,
         ``flush_cache()``, ``set_version(version)``.
         """

@@ -38,23 +38,29 @@ class EngineWeights:
     ``_rows``, ``_paused``, ``_pending_updates``, ``load()``, ``_abort()`` and ``_publish()`` on the engine.
     """
 
-    def _cmd_update_weights(self, state: dict, version: str | None, abort_all: bool, fut: Future):
+    def _cmd_update_weights(self, state: dict, version: str | None, abort_all: bool, flush_cache: bool = True, *,
+                            fut: Future):
         """Load ``state`` now if idle or paused, else once the running batch drains (writer lock).
 
         Full weights replace a merged LoRA adapter: the tensors it was merged into get their base
         values back unless ``state`` gives them, and the engine reports no adapter afterwards.
+
+        ``flush_cache`` (SGLang's field of the same name, true by default) empties the context
+        cache; false keeps its keys/values of the old weights, to be extended under the new ones,
+        as a request running across an in-place update is (``pause_mode: in_place``). The prompt
+        cache is emptied either way: it holds the old weights' next-token logits.
         """
         state = self._validate_state(state)  # before anything else: a rejected update changes nothing
         if self._lora_base:
             state = {**self._lora_base, **state}
         if abort_all:
             self._publish(self._abort("", True))
-        self._pending_updates.append((state, version, fut, None))
+        self._pending_updates.append((state, version, fut, None, bool(flush_cache)))
         self._apply_pending_updates()
         return DEFERRED
 
     def _cmd_update_adapter(self, adapter: dict, config: dict, checksum: str, version: str | None, abort_all: bool,
-                            fut: Future):
+                            flush_cache: bool = True, *, fut: Future):
         """Merge a PEFT LoRA adapter into a copy of the base weights; loaded like full weights (writer lock).
 
         Each targeted weight becomes ``W_base + scaling * B @ A`` computed in fp32 from the base
@@ -70,7 +76,7 @@ class EngineWeights:
         merged = self._validate_state(merged)
         if abort_all:
             self._publish(self._abort("", True))
-        self._pending_updates.append((merged, version, fut, info))
+        self._pending_updates.append((merged, version, fut, info, bool(flush_cache)))
         self._apply_pending_updates()
         return DEFERRED
 
@@ -170,18 +176,22 @@ class EngineWeights:
             return  # wait for the running requests (SGLang holds the writer lock)
         torch = self.torch
         while self._pending_updates:
-            state, version, fut, adapter = self._pending_updates.pop(0)
+            state, version, fut, adapter, flush = self._pending_updates.pop(0)
             try:
                 params = self._named_tensors()
                 with torch.no_grad():  # validated and converted beforehand: copies cannot fail half-way
                     for name, tensor in state.items():
                         params[name].copy_(tensor)
-                for cache in (getattr(self, "prompt_cache", None), getattr(self, "context_cache", None)):
-                    if cache is not None:  # their keys/values came from the old weights
+                # the prompt cache's logits are the old weights' next-token distribution: always
+                # emptied; the context cache's keys/values only when the caller asked (flush_cache)
+                caches = (getattr(self, "prompt_cache", None), getattr(self, "context_cache", None) if flush else None)
+                for cache in caches:
+                    if cache is not None:
                         cache.clear()
-                # counts applied updates, named or not: a row's keys/values are from the current
-                # weights only if none was applied since its prefill (prompt_cache._remember_context)
+                # counts applied updates, named or not (a row records the epoch of its prefill)
                 self.weights_epoch += 1
+                if flush:  # rows prefilled before this update are never kept (prompt_cache._remember_context)
+                    self.kv_flush_epoch = self.weights_epoch
                 if version is not None:
                     self.weight_version = str(version)
                 if adapter is not None:

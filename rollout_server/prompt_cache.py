@@ -231,15 +231,18 @@ class EnginePromptCache:
         """Keep a finished sample's keys/values (its prompt and output but the last token, whose
         keys/values were never computed) in the context cache, for a later call that extends it.
 
-        Only a row prefilled under the current weights is kept (the cache is emptied at each
-        weight update; a row that ran across one, as ``pause_mode: in_place`` allows, holds keys
-        and values of two versions). An update counts whether or not it named a version.
+        A row is kept unless an update that flushed the caches (SGLang's ``flush_cache``, the
+        default) was applied after its prefill: then its keys/values are of weights the caller
+        asked to forget (the cache was emptied at that update, and a row that ran across it, as
+        ``pause_mode: in_place`` allows, holds keys and values of two versions). After updates
+        sent with ``flush_cache: false`` (asyncrl's worker with ``pause_mode: in_place``) a row
+        is kept with keys/values of the old weights, like the rows that ran across them.
         """
         cc = self.context_cache
         if cc is None or len(s.output_ids) < 2:
             return
         row = self._rows[slot]
-        if row is None or row.epoch != self.weights_epoch:
+        if row is None or row.epoch < self.kv_flush_epoch:
             return
         torch = self.torch
         ids = tuple(s.prompt_ids) + tuple(s.output_ids[:-1])

@@ -42,7 +42,7 @@ MAX_TENSOR_DIMS = 8
 class _WeightUpdate(_Strict):
     weight_version: Optional[Any] = None
     abort_all_requests: bool = False
-    flush_cache: bool = True  # SGLang's; the embedded engine has no prefix cache to flush
+    flush_cache: bool = True  # SGLang's: false keeps the context cache's keys/values of the old weights
     torch_empty_cache: bool = False  # SGLang's; ignored (CPU)
 
     @field_validator("weight_version", mode="plain")

@@ -49,12 +49,13 @@ class WeightEndpoints:
     the server.
     """
 
-    async def _apply_weights(self, state: dict, version: Any, abort_all: bool) -> web.Response:
+    async def _apply_weights(self, state: dict, version: Any, abort_all: bool, flush_cache: bool = True) -> web.Response:
         from asyncrl.core.weights import WeightLoadError
 
         try:
             res = await asyncio.wrap_future(
-                self.engine.call("update_weights", state, None if version is None else str(version), bool(abort_all))
+                self.engine.call("update_weights", state, None if version is None else str(version), bool(abort_all),
+                                 bool(flush_cache))
             )
         except (RequestError, WeightLoadError) as exc:
             return web.json_response({"success": False, "message": f"Failed to update weights: {exc}"}, status=400)
@@ -90,7 +91,7 @@ class WeightEndpoints:
                 state = await self.loop.run_in_executor(None, load_state_dict_from_dir, body.model_path)
             except WeightLoadError as exc:
                 return web.json_response({"success": False, "message": f"Failed to get weights iterator: {exc}"}, status=400)
-            return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
+            return await self._apply_weights(state, body.weight_version, body.abort_all_requests, body.flush_cache)
 
     async def _apply_adapter_dir(self, body: Any) -> web.Response:
         """Verify and merge an adapter-only version directory; 400 with the reason when it does not land.
@@ -117,7 +118,7 @@ class WeightEndpoints:
         version = None if body.weight_version is None else str(body.weight_version)
         try:
             res = await asyncio.wrap_future(self.engine.call("update_adapter", tensors, config, checksum, version,
-                                                             bool(body.abort_all_requests)))
+                                                             bool(body.abort_all_requests), bool(body.flush_cache)))
         except (RequestError, WeightLoadError) as exc:
             return web.json_response({"success": False, "message": f"Failed to load the LoRA adapter: {exc}"}, status=400)
         if self.rollout_metrics is not None:
@@ -188,7 +189,7 @@ class WeightEndpoints:
                 state = await self.loop.run_in_executor(None, decode_safetensors_payload, body.blobs())
             except WeightLoadError as exc:
                 return web.json_response({"success": False, "message": str(exc)}, status=400)
-            return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
+            return await self._apply_weights(state, body.weight_version, body.abort_all_requests, body.flush_cache)
 
     async def handle_init_group(self, request: web.Request) -> web.Response:
         """``POST /init_weights_update_group``: join rank 0's gloo group (:class:`~rollout_server.schemas_weights.InitGroupBody`).
@@ -251,7 +252,7 @@ class WeightEndpoints:
                 return web.json_response({"success": False, "message": f"Failed to receive weights: {exc}"}, status=400)
             if body.lora_config is not None:  # trainer.lora over nccl: the tensors are an adapter
                 return await self._merge_adapter_tensors(state, body.lora_config, body.lora_checksum, body)
-            return await self._apply_weights(state, body.weight_version, body.abort_all_requests)
+            return await self._apply_weights(state, body.weight_version, body.abort_all_requests, body.flush_cache)
 
     async def handle_destroy_group(self, request: web.Request) -> web.Response:
         """``POST /destroy_weights_update_group`` (:class:`~rollout_server.schemas_weights.DestroyGroupBody`)."""

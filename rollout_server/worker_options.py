@@ -28,6 +28,8 @@ class WorkerOptions:
         temperature: sampling temperature (``rollout.temperature``).
         max_inflight_requests: work items in flight on the engine (``rollout.max_inflight_requests``).
         pause_mode: ``abort`` or ``in_place`` (``rollout.pause_mode``).
+        flush_cache_on_update: send weight loads with ``flush_cache`` (``rollout.flush_cache_on_update``);
+            false needs ``pause_mode`` ``in_place``.
         transport: ``disk``, ``http`` or ``nccl`` (``weight_sync.transport``).
         stop: stop strings (``rollout.stop``).
         base_model_path: weights of policy version 0 (``model.path``), loaded when a recovery
@@ -54,6 +56,7 @@ class WorkerOptions:
     temperature: float = 1.0
     max_inflight_requests: int = 32
     pause_mode: str = "abort"
+    flush_cache_on_update: bool = True
     transport: str = "disk"
     stop: Sequence[str] = ()
     base_model_path: str | None = None
@@ -75,6 +78,9 @@ class WorkerOptions:
                              "(temperature from rollout.temperature, top_p=1, top_k=-1, max_new_tokens from the buffer)")
         if self.pause_mode not in ("abort", "in_place"):
             raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {self.pause_mode!r}")
+        if not self.flush_cache_on_update and self.pause_mode != "in_place":
+            raise ValueError("flush_cache_on_update=False keeps keys/values of the old weights across an update: "
+                             f"it needs pause_mode 'in_place', got {self.pause_mode!r}")
         if self.transport not in ("disk", "http", "nccl"):
             raise ValueError(f"transport must be disk, http or nccl, got {self.transport!r}")
         if self.lora_mode not in ("merge", "by_name"):
@@ -94,7 +100,8 @@ class WorkerOptions:
         r = cfg.rollout
         kw: dict[str, Any] = dict(
             worker_id=worker_id, temperature=r.temperature, max_inflight_requests=r.max_inflight_requests,
-            pause_mode=r.pause_mode, transport=cfg.weight_sync.transport, stop=list(r.stop),
+            pause_mode=r.pause_mode, flush_cache_on_update=r.flush_cache_on_update,
+            transport=cfg.weight_sync.transport, stop=list(r.stop),
             base_model_path=cfg.model.path, weights_api_key=cfg.security.api_key,
             lora_mode=cfg.resolved_lora_mode() or "merge",
         )

@@ -12,7 +12,9 @@ worker); its methods run on the worker:
   downloads and verifies into ``weights_cache_dir``, keeping the last ``keep_downloads``;
   ``disk`` uses the announced directory; version 0 without a uri is ``model.path``), then the
   engine pauses (``rollout.pause_mode``), loads them with ``/update_weights_from_disk`` and
-  resumes; claiming stops meanwhile. ``nccl``: the trainer pushes the weights, the worker waits
+  resumes; claiming stops meanwhile. With ``in_place`` and ``rollout.flush_cache_on_update:
+  false`` the load is sent with ``flush_cache: false``: the engine keeps the keys/values of
+  parked samples' contexts for their resumption, as it keeps those of running requests. ``nccl``: the trainer pushes the weights, the worker waits
   until the engine reports the announced version. A failed load is logged and retried 2 s
   later; the engine keeps generating with the weights it has.
 * **LoRA by name** (``lora_mode: by_name``, SGLang's adapter path; docs/trainer.md#lora): an
@@ -209,7 +211,10 @@ class WorkerWeightSync:
                     else:
                         await self.client.pause(self.opts.pause_mode)
                         try:
-                            res = await self.client.update_weights_from_disk(path, weight_version=str(ann.version))
+                            # in_place keeps running requests' KV cache across the update; with
+                            # flush_cache_on_update false, parked ones' too (the engine's context cache)
+                            res = await self.client.update_weights_from_disk(
+                                path, weight_version=str(ann.version), flush_cache=self.opts.flush_cache_on_update)
                         finally:
                             await self.client.resume()
                         self._check_adapter_landed(path, ann, res)

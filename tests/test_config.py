@@ -186,6 +186,21 @@ def test_kebab_case_flag_is_rejected_with_the_underscore_spelling():
         load_config(["--rollout.max-response-len", "64"], environ={})
 
 
+def test_keeping_kv_across_updates_needs_the_in_place_pause_mode():
+    """``rollout.flush_cache_on_update: false`` keeps old keys/values across an update, which only
+    ``pause_mode: in_place`` does for running requests; with ``abort`` the config says so, and the
+    worker's options refuse the same pair."""
+    from rollout_server.worker import WorkerOptions
+
+    with pytest.raises(ConfigError, match=r"flush_cache_on_update: false .* set pause_mode: in_place"):
+        load_config(["--rollout.flush_cache_on_update", "false"], environ={})
+    cfg = load_config(["--rollout.flush_cache_on_update", "false", "--rollout.pause_mode", "in_place"], environ={})
+    assert WorkerOptions.from_config(cfg, "w0").flush_cache_on_update is False
+    assert WorkerOptions.from_config(load_config([], environ={}), "w0").flush_cache_on_update is True
+    with pytest.raises(ValueError, match="flush_cache_on_update=False .* needs pause_mode 'in_place'"):
+        WorkerOptions("w0", flush_cache_on_update=False)
+
+
 def test_flag_without_value_and_positional_argument():
     with pytest.raises(ConfigError, match=r"--max_budget needs a value"):
         load_config(["--max_budget"], environ={})

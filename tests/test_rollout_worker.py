@@ -186,6 +186,79 @@ async def test_budget_parking_and_resume_across_versions_on_another_server(redis
             await wb.client.close()
 
 
+def _recompute_across_an_update(lm0, lm1, prompt, response, kept, temperature):
+    """Logprobs of ``response[kept + 1:]`` when the keys/values of ``prompt + response[:kept]`` come
+    from ``lm0`` and the rest from ``lm1``: a sample parked under v0 whose context the engine kept,
+    resumed under v1 (as a request running across an in-place update continues)."""
+    import torch
+
+    with torch.no_grad():
+        past = lm0(torch.tensor([list(prompt) + list(response[:kept])]), use_cache=True).past_key_values
+        logits = lm1(torch.tensor([list(response[kept:])]), past_key_values=past, use_cache=True).logits[0].float()
+    lsm = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+    return lsm.gather(1, torch.tensor(response[kept + 1:])[:, None]).squeeze(1).tolist()
+
+
+async def _context_cache_hits(url: str) -> int:
+    import re
+
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return int(float(re.search(r"^asyncrl_rollout_context_cache_hits_total (\S+)$", text, re.M).group(1)))
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "in_place"])
+async def test_a_parked_sample_resumes_from_the_context_cache_across_an_unflushed_update(
+        redis_url, server_b, models, tokenizer, tmp_path, pause_mode):
+    """Budget M=4 on one server: a segment under v0 is parked, v1 is published and the same
+    server resumes the sample. ``in_place`` with ``flush_cache_on_update=False`` loads v1 with
+    ``flush_cache: false``, so the engine
+    extends the parked context's v0 keys/values under v1 (the resumed tokens' logprobs are exactly
+    that computation, not v1's recomputation), as it does for a request running across the update;
+    ``abort`` flushes, so every resumed token is v1's recomputation. Later segments under v1 come
+    from the context cache in both modes."""
+    settings = _settings(n_samples_per_prompt=1, train_batch_groups=1, max_budget=4, max_response_len=12,
+                         flush_tokens=2)
+    async with await ReplayBuffer.open(redis_url, f"ctx-{pause_mode}", settings) as buf:
+        # long enough for the context cache (>= 16 shared tokens)
+        prompt = _prompt(tokenizer, "count to ten and back down to one, slowly, saying each number out loud twice")
+        assert len(prompt) >= 16
+        await _feed(buf, [PromptGroup("g0", prompt, {}, 1)])
+        w = _worker(buf, server_b.url, tokenizer, f"w-ctx-{pause_mode}", pause_mode=pause_mode,
+                    flush_cache_on_update=pause_mode == "abort", extra_sampling_params={"ignore_eos": True})
+        try:
+            [item] = await buf.claim(w.opts.worker_id, 1)
+            assert await w.process(item) == SampleStatus.PARTIAL  # 4 tokens under v0, parked
+            hits = await _context_cache_hits(server_b.url)
+            path, sha = _publish_weights(tmp_path / "weights", 1, models["dir1"])
+            await buf.clock.publish(1, str(path), sha)
+            stats = await _run_until(w, _ready(buf, 1))
+            assert stats.weight_updates == 1 and w.version == 1
+            s = await buf.get_sample("g0/0")
+            assert s.versions == [0] * 4 + [1] * 8 and s.num_resumes >= 2
+            new_hits = await _context_cache_hits(server_b.url) - hits
+            ref0 = recompute_logprobs(models["lm0"], prompt, s.response_ids, TEMPERATURE)
+            ref1 = recompute_logprobs(models["lm1"], prompt, s.response_ids, TEMPERATURE)
+            got = s.behaviour_logprobs
+            assert max(abs(a - b) for a, b in zip(ref0[:4], got[:4])) < 1e-4
+            if pause_mode == "in_place":
+                # the first resume extended v0's keys/values of prompt + 3 tokens; so did the later ones
+                assert new_hits >= 2, new_hits
+                mixed = _recompute_across_an_update(models["lm0"], models["lm1"], prompt, s.response_ids, 3,
+                                                    TEMPERATURE)
+                assert max(abs(a - b) for a, b in zip(mixed, got[4:])) < 1e-4
+                assert max(abs(a - b) for a, b in zip(ref1[4:], got[4:])) > 1e-3  # not a recomputation under v1
+            else:
+                # the first resume was prefilled whole under v1 (the flush emptied the cache); the later ones hit v1 entries
+                assert new_hits >= 1, new_hits
+                assert max(abs(a - b) for a, b in zip(ref1[4:], got[4:])) < 1e-4
+        finally:
+            await w.client.update_weights_from_disk(str(models["dir0"]), weight_version="0")
+            await w.client.close()
+
+
 async def test_work_claimed_after_a_publish_the_worker_missed_is_generated_with_the_new_weights(
         redis_url, server_b, models, tokenizer, tmp_path):
     """Synchronous settings (max_staleness 0): v1 is published and the next rollout batch

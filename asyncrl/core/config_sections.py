@@ -340,6 +340,8 @@ class RolloutConfig(_Section):
     """Requests a rollout worker keeps in flight per server."""
     pause_mode: Literal["abort", "in_place"] = "abort"
     """How the engine is paused for a weight update: abort in-flight requests (recompute KV on resume) or keep KV in place."""
+    flush_cache_on_update: bool = True
+    """Load each weight version with SGLang's ``flush_cache`` (its default). With ``pause_mode: in_place``, false keeps the embedded engine's context cache across the update, so a sample parked by ``max_budget`` and resumed under the next version (or an episode's next call) extends its old keys/values instead of prefilling its whole context again, as a request running across the update does (docs/rollout.md, "No radix tree")."""
     lora_mode: Literal["auto", "merge", "by_name"] = "auto"
     """With ``trainer.lora``, how a rollout engine takes each adapter version (docs/trainer.md#lora): ``merge`` into a copy of its base weights (``/update_weights_from_disk``; the embedded engine only), or ``by_name``: registered under a versioned name (SGLang's ``/load_lora_adapter``), at most ``buffer.max_staleness + 1`` kept, each request naming its adapter in ``lora_path``. ``auto``: ``by_name`` on SGLang, ``merge`` on the embedded engine."""
     incremental_streaming: bool = True
@@ -387,6 +389,14 @@ class RolloutConfig(_Section):
     def train_batch_groups(self) -> int:
         """B = ceil(p * R), the number of prompt groups in a train batch (:func:`train_batch_groups`)."""
         return train_batch_groups(self.partial_percent, self.rollout_batch_size)
+
+    @model_validator(mode="after")
+    def _check_flush(self) -> "RolloutConfig":
+        if not self.flush_cache_on_update and self.pause_mode != "in_place":
+            raise ValueError("rollout.flush_cache_on_update: false keeps keys/values of the old weights across an "
+                             "update, which only rollout.pause_mode: in_place does for running requests; set "
+                             f"pause_mode: in_place or leave flush_cache_on_update true (pause_mode is {self.pause_mode!r})")
+        return self
 
 
 # ----------------------------------------------------------------------------------------------
