@@ -20,9 +20,12 @@ multi-call episode's next call sends the earlier call's context, its output and 
 one prompt; a prompt the prompt cache does not hold is looked up by its longest shared prefix
 (:meth:`PromptCache.longest_prefix`, at least :data:`MIN_PREFIX_TOKENS` tokens and
 :data:`MIN_PREFIX_SHARE` of the entry), and only the tokens after it run through the model
-(``_forward_suffix``). Only samples whose every token came from the current weights are kept, and
-every weight update and ``/flush_cache`` empties it, so what it serves is what a recomputation
-gives (SGLang's radix cache, for whole earlier contexts: docs/rollout.md, "Rollout profile").
+(``_forward_suffix``). ``/flush_cache`` and every weight update sent with ``flush_cache`` true
+(SGLang's default) empty it, and a row prefilled before such an update is never kept, so what it
+serves is then what a recomputation gives. An update sent with ``flush_cache`` false keeps it: a
+later prompt extends the old weights' keys/values, as a request running across an in-place update
+does (``rollout.flush_cache_on_update``; SGLang's radix cache, for whole earlier contexts:
+docs/rollout.md, "No radix tree").
 """
 
 from __future__ import annotations
