@@ -75,7 +75,7 @@ def test_main_job_config():
     assert cfg.trainer.advantage == "grpo" and cfg.trainer.loss.correction == "decoupled"
     assert cfg.rollout.partial_percent == 0.75
     assert cfg.rollout.max_budget < cfg.rollout.max_response_len
-    assert cfg.buffer.max_staleness == 2
+    assert cfg.buffer.max_staleness == 1  # docs/results.md section K
     # The difficulty of docs/tasks.md: >= 400 distinct held-out problems for the evaluation.
     from asyncrl.tasks.tasks import load_task
 
