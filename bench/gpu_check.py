@@ -478,7 +478,7 @@ STAGES: list[Stage] = [
           ["option:wheels", "module:pip"], command=_wheels_cmd, collect=_wheels_collect),
     Stage("environment", "GPU, torch/CUDA versions, importable modules, executables, redis-server", 30, [],
           run=_environment_run),
-    Stage("model", "SmolLM2-135M-Instruct if prepared or preparable, else its shape with random weights", 45,
+    Stage("model", "SmolLM2-135M-Instruct if prepared or preparable, else its shape with random weights", 35,
           ["module:torch", "module:transformers", "module:safetensors", "module:tokenizers", "module:pydantic"],
           command=_model_cmd, collect=_model_collect),
     Stage("decode", "decode tokens/s vs batch size: plain KV-cache loop and the embedded server, both on the GPU "
@@ -492,7 +492,7 @@ STAGES: list[Stage] = [
           ["cuda", "stage:model", "redis", "module:deepspeed", "module:aiohttp", "module:redis",
            "module:pydantic_settings", "module:math_verify", "module:psutil"],
           command=_main_job_cmd, env=_main_job_env, collect=_main_job_collect),
-    Stage("gpu_tests", "pytest -m gpu (tests marked gpu)", 160, ["cuda", "module:pytest", "module:pytest_asyncio"],
+    Stage("gpu_tests", "pytest -m gpu (tests marked gpu)", 140, ["cuda", "module:pytest", "module:pytest_asyncio"],
           command=_gpu_tests_cmd, collect=_gpu_tests_collect, ok_returncodes=(0, 5)),
     Stage("sglang", "is SGLang importable, which version", 15, ["module:sglang"], command=_sglang_cmd,
           collect=_sglang_collect),
