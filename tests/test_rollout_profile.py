@@ -19,6 +19,7 @@ from rollout_server.engine import Engine
 from rollout_server.engine_sample import EngineGroup, EngineSample
 from rollout_server.sampling import SamplingParams
 from rollout_server.testing import make_random_model, recompute_logprobs
+from tests.test_sample_tokens import DEVICES  # the engine runs where its model is: CPU, and CUDA when there is one
 
 pytestmark = pytest.mark.integration
 
@@ -295,11 +296,6 @@ def test_the_plain_loop_runs_with_either_sampler(model):
 #: a prompt long enough for the context cache (>= MIN_PREFIX_TOKENS with its output)
 LONG_PROMPT = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
 
-
-#: the engine runs where its model is; the CUDA case runs in ``bench/gpu_check.sh``'s ``gpu_tests``
-#: stage (``-m gpu``) and is skipped on a machine without a CUDA GPU
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 @contextlib.contextmanager
