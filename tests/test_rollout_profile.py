@@ -297,7 +297,6 @@ def test_the_plain_loop_runs_with_either_sampler(model):
 LONG_PROMPT = [11, 23, 5, 77, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
 
 
-
 @contextlib.contextmanager
 def _engine_keeping_norm(model, device: str = "cpu"):
     """A started engine on the module's shared model (on the CPU) or on a copy of it on ``device``,
