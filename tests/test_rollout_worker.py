@@ -503,13 +503,13 @@ async def _settings_of(config: Path) -> BufferSettings:
     return BufferSettings.from_config(load_config(["--config", str(config)]))
 
 
-async def _running_with_tokens(buf: ReplayBuffer, sample_ids: list[str], min_tokens: int) -> dict | None:
+async def _running_with_tokens(buf: ReplayBuffer, sample_ids: list[str], min_tokens: int) -> dict:
+    """The samples of ``sample_ids`` that are RUNNING with at least ``min_tokens`` flushed tokens."""
     snap = {}
     for sid in sample_ids:
         s = await buf.get_sample(sid)
-        if s.status != SampleStatus.RUNNING or len(s.response_ids) < min_tokens:
-            return None
-        snap[sid] = s
+        if s.status == SampleStatus.RUNNING and len(s.response_ids) >= min_tokens:
+            snap[sid] = s
     return snap
 
 
@@ -526,14 +526,23 @@ async def test_kill9_rollout_server_mid_stream_samples_reclaimed_and_finished_el
             await _feed(buf, [PromptGroup("g0", _prompt(tokenizer, "one"), {}, 2),
                               PromptGroup("g1", _prompt(tokenizer, "two"), {}, 2)])
             sids = ["g0/0", "g0/1", "g1/0", "g1/1"]
+            # Kill as soon as two samples stream (>= 4 tokens flushed each). Waiting for all four at
+            # once raced the engine: a random model's sample can hit EOS within a few tokens, so the
+            # moment when all four run may never come.
             deadline = time.monotonic() + 60
-            while (snap := await _running_with_tokens(buf, sids, 4)) is None:
-                assert time.monotonic() < deadline, await buf.stats()
-                await asyncio.sleep(0.03)
+            while len(await _running_with_tokens(buf, sids, 4)) < 2:
+                assert time.monotonic() < deadline, [(s.sample_id, s.status, len(s.response_ids), s.segments)
+                                                     for s in [await buf.get_sample(i) for i in sids]]
+                await asyncio.sleep(0.01)
             a.kill()  # SIGKILL mid-stream: no drain, leases left to expire
             a.wait()
-            snap = {sid: await buf.get_sample(sid) for sid in sids}  # every token flushed before the kill
-            assert all(s.status == SampleStatus.RUNNING and len(s.response_ids) < 800 for s in snap.values())
+            after = {sid: await buf.get_sample(sid) for sid in sids}  # every token flushed before the kill
+            snap = {sid: s for sid, s in after.items() if s.status == SampleStatus.RUNNING}
+            brief = {sid: (s.status.value, len(s.response_ids)) for sid, s in after.items()}
+            assert snap, brief  # at least one sample was mid-stream when the server died
+            assert all(len(s.response_ids) < 800 for s in snap.values())
+            finished_or_waiting = (SampleStatus.PENDING, SampleStatus.COMPLETE, SampleStatus.SCORED)
+            assert all(s.status in finished_or_waiting for sid, s in after.items() if sid not in snap), brief
 
             b = _start_cli(config, log_b)
             deadline = time.monotonic() + 180
@@ -571,13 +580,14 @@ async def test_sigterm_parks_every_in_flight_sample_and_exits_0(redis_url, model
             await _feed(buf, [PromptGroup(f"g{i}", _prompt(tokenizer, f"prompt {i}"), {}, 2) for i in range(3)])
             deadline = time.monotonic() + 60
             all_ids = [f"g{g}/{i}" for g in range(3) for i in range(2)]
-            while True:  # mid-stream: 4 requests in flight, each with flushed tokens
+            while True:  # mid-stream: requests in flight (at least 2 of the 4 allowed), each with flushed tokens
                 samples = [await buf.get_sample(sid) for sid in all_ids]
                 running = [s for s in samples if s.status == SampleStatus.RUNNING]
-                if len(running) == 4 and all(len(s.response_ids) >= 2 for s in running):
-                    break
-                assert time.monotonic() < deadline, await buf.stats()
-                await asyncio.sleep(0.03)
+                if len(running) >= 2 and all(len(s.response_ids) >= 2 for s in running):
+                    break  # not "all 4": a random model's sample can stop within a few tokens
+                assert time.monotonic() < deadline, [(s.sample_id, s.status.value, len(s.response_ids))
+                                                     for s in samples]
+                await asyncio.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
             text = log.read_text()
@@ -586,7 +596,7 @@ async def test_sigterm_parks_every_in_flight_sample_and_exits_0(redis_url, model
             n = int(line[0].split("parked ")[1].split()[0])
             ids = set(line[0].split("[")[1].split("]")[0].split(","))
             st = await buf.stats()
-            assert n == 4 == len(ids), line[0]
+            assert 1 <= n == len(ids) <= 4, line[0]  # 4 requests in flight at most (max_inflight_requests)
             assert "running" not in st["samples_by_state"] and st["queues"]["leased"] == 0
             partial = set()
             for g in range(3):
