@@ -19,6 +19,9 @@ the machine hits every arm alike, and reports for each arm:
   ratio like the others;
 - each run's idle ratio per role (the controller's ``idle_ratio/<role>``, the share of wall time
   the role waited, averaged over the run) and, per step, publish seconds and bytes;
+- each run's trainer cost per processed token (forward, backward and optimizer milliseconds), a
+  reading of the machine's speed: ``--markdown`` names every run that cost >= 1.5x its arm's
+  cheapest run, since such a run's times measure a slower or shared machine as much as the arm;
 - per-step training records of every run (train reward, behaviour KL, importance weights,
   entropy, gradient norm, staleness), so that a collapse can be read off the raw JSON;
 - the buffer's group books per step (groups finished, zero-variance groups, prompts selective
@@ -56,6 +59,7 @@ import math
 import os
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,7 +88,12 @@ STEP_FIELDS = ("reward/mean", "reward/std", "train/behaviour_kl", "train/importa
                "train/importance_weight_max", "train/importance_weight_capped_fraction", "train/clip_fraction",
                "train/entropy", "train/grad_norm", "train/advantage_std", "train/response_tokens", "train/samples",
                "staleness/mean", "staleness/max", "time/step_seconds", "time/wait_batch_seconds",
-               "time/publish_seconds", "train/publish_bytes")
+               "time/publish_seconds", "train/publish_bytes", "time/forward_backward_seconds",
+               "time/optim_step_seconds", "train/processed_tokens")
+
+#: A run whose trainer cost per processed token is at least this many times its arm's cheapest run's
+#: is flagged under the costs table: same code, same settings, so the machine was slower (or shared).
+SLOW_MACHINE_FACTOR = 1.5
 
 
 #: Run totals kept from the controller's records (their last value).
@@ -680,7 +689,12 @@ def run_costs(run: dict) -> dict:
         the response tokens the trainer trained (the sum of ``train/response_tokens``), the share of
         the appended tokens that restarts threw away (``buffer/restart_discarded_tokens``, recorded
         since 2026-11-29) and the share never trained (discarded, dropped, or still in the buffer
-        when the run stopped), each in [0, 1].
+        when the run stopped), each in [0, 1]; ``trainer_ms_per_token``: the median over steps (step 1,
+        which warms up, left out when later steps exist) of the trainer's forward, backward and
+        optimizer seconds per processed token (prompt and response tokens of the batch), in
+        milliseconds. With the same code and settings it measures the machine: a run whose trainer ran
+        alone (the synchronous mode) and costs 2x its arm's other runs ran on a slower or shared
+        machine (:func:`slow_runs`).
     """
     out: dict[str, Any] = {}
     if run.get("idle"):
@@ -688,6 +702,12 @@ def run_costs(run: dict) -> dict:
     if run.get("final_step"):
         out["seconds_per_step"] = 60.0 * run["train_minutes"] / run["final_step"]
     steps = run.get("steps", [])
+    timed = [(s["step"], 1000.0 * (s["time/forward_backward_seconds"] + s["time/optim_step_seconds"])
+              / s["train/processed_tokens"]) for s in steps
+             if s.get("train/processed_tokens") and "time/forward_backward_seconds" in s and "time/optim_step_seconds" in s]
+    if timed:
+        later = [v for st, v in timed if st > 1]
+        out["trainer_ms_per_token"] = statistics.median(later or [v for _, v in timed])
     for key, name, scale in (("time/publish_seconds", "publish_seconds", 1.0),
                              ("train/publish_bytes", "publish_megabytes", 1e-6)):
         vals = [s[key] for s in steps if key in s]
@@ -706,8 +726,37 @@ def run_costs(run: dict) -> dict:
     return out
 
 
+def slow_runs(report: dict, factor: float = SLOW_MACHINE_FACTOR) -> list[dict]:
+    """Runs whose trainer cost per processed token (:func:`run_costs`) is ``>= factor`` times the
+    cheapest run of the same arm: the same code and settings, so a slower or shared machine.
+
+    Returns:
+        ``[{"arm", "seed", "ms_per_token", "arm_lowest_ms_per_token", "factor"}]`` in the runs' order;
+        empty when fewer than two runs of an arm have the figure.
+    Raises:
+        ValueError: ``factor`` is not above 1.
+    """
+    if not factor > 1.0:
+        raise ValueError(f"factor={factor}: a run is slow when it costs more than its arm's cheapest, so give a "
+                         "factor above 1 (the default is 1.5)")
+    cost = {(r["arm"], r["seed"]): run_costs(r).get("trainer_ms_per_token") for r in report["runs"]}
+    lowest: dict[str, float] = {}
+    for (arm, _), v in cost.items():
+        if v is not None:
+            lowest[arm] = min(v, lowest.get(arm, v))
+    out = []
+    for r in report["runs"]:
+        v, low = cost[(r["arm"], r["seed"])], lowest.get(r["arm"])
+        if v is not None and low and sum(c is not None for (a, _), c in cost.items() if a == r["arm"]) > 1 \
+                and v >= factor * low:
+            out.append({"arm": r["arm"], "seed": r["seed"], "ms_per_token": v, "arm_lowest_ms_per_token": low,
+                        "factor": v / low})
+    return out
+
+
 def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
-    """A table of :func:`run_costs` per run (no lines when no run has records)."""
+    """A table of :func:`run_costs` per run (no lines when no run has records), and under it a line
+    naming the runs :func:`slow_runs` flags (their times measure the machine as much as the arm)."""
     rows = [(r, run_costs(r)) for r in sorted(report["runs"], key=lambda r: (arms.index(r["arm"]) if r["arm"] in arms
                                                                               else 99, r["seed"]))]
     rows = [(r, c) for r, c in rows if c.get("idle") or "publish_seconds" in c]
@@ -715,19 +764,27 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
         return []
     roles = sorted({role for _, c in rows for role in c.get("idle", {})})
     books = any("appended_tokens" in c for _, c in rows)
+    speed = any("trainer_ms_per_token" in c for _, c in rows)
     fmt = lambda c, k, f: "—" if k not in c else format(c[k], f)  # noqa: E731
-    lines = ["", "| run | s per step | " + " | ".join(f"idle {role}" for role in roles)
-             + " | publish s per step | publish MB per step |"
-             + (" appended tokens | trained tokens | discarded by restarts | never trained |" if books else ""),
-             "|---|---|" + "---|" * (len(roles) + 2 + (4 if books else 0))]
+    head = (["run", "s per step"] + (["trainer ms per token"] if speed else []) + [f"idle {role}" for role in roles]
+            + ["publish s per step", "publish MB per step"]
+            + (["appended tokens", "trained tokens", "discarded by restarts", "never trained"] if books else []))
+    lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, c in rows:
         idle = c.get("idle", {})
-        lines.append(f"| {r['arm']} s{r['seed']} | {fmt(c, 'seconds_per_step', '.1f')} | "
-                     + " | ".join("—" if role not in idle else f"{idle[role]:.2f}" for role in roles)
-                     + f" | {fmt(c, 'publish_seconds', '.2f')} | {fmt(c, 'publish_megabytes', '.1f')} |"
-                     + (f" {fmt(c, 'appended_tokens', ',')} | {fmt(c, 'trained_tokens', ',')} |"
-                        f" {fmt(c, 'restart_discarded_share', '.1%')} | {fmt(c, 'untrained_share', '.1%')} |"
-                        if books else ""))
+        cells = ([f"{r['arm']} s{r['seed']}", fmt(c, "seconds_per_step", ".1f")]
+                 + ([fmt(c, "trainer_ms_per_token", ".1f")] if speed else [])
+                 + ["—" if role not in idle else f"{idle[role]:.2f}" for role in roles]
+                 + [fmt(c, "publish_seconds", ".2f"), fmt(c, "publish_megabytes", ".1f")]
+                 + ([fmt(c, "appended_tokens", ","), fmt(c, "trained_tokens", ","),
+                     fmt(c, "restart_discarded_share", ".1%"), fmt(c, "untrained_share", ".1%")] if books else []))
+        lines.append("| " + " | ".join(cells) + " |")
+    slow = slow_runs(report)
+    if slow:
+        lines += ["", f"Slower machine (trainer ms per token >= {SLOW_MACHINE_FACTOR:g}x its arm's cheapest run): "
+                  + "; ".join(f"{s['arm']} s{s['seed']} {s['ms_per_token']:.1f} ms against {s['arm_lowest_ms_per_token']:.1f} "
+                              f"({s['factor']:.1f}x)" for s in slow)
+                  + ". Their times measure the machine as much as the arm."]
     return lines
 
 

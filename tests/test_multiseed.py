@@ -142,6 +142,41 @@ def test_run_costs_and_their_table(ms):
     assert "trained_tokens" not in ms.run_costs(partial) and "untrained_share" not in ms.run_costs(partial)
 
 
+def _timed_steps(ms_per_token_by_step):
+    """Step records whose trainer cost is the given ms per processed token (1000 tokens a step)."""
+    return [{"step": st, "time/forward_backward_seconds": 0.75 * v, "time/optim_step_seconds": 0.25 * v,
+             "train/processed_tokens": 1000, "time/publish_seconds": 1.0, "train/publish_bytes": 1e6}
+            for st, v in ms_per_token_by_step]
+
+
+def test_trainer_cost_per_token_and_the_slow_machine_flag(ms):
+    """The trainer's ms per processed token is the median of steps 2.., and a run at >= 1.5x its arm's
+    cheapest is named under the costs table; another arm's runs are not compared with it."""
+    runs = [{**_run("sync", 1, [(0, 0, 0.2)]), "final_step": 4, "train_minutes": 2.0,
+             "steps": _timed_steps([(1, 40.0), (2, 4.0), (3, 5.0), (4, 6.0)])},  # step 1 (warm-up) left out
+            {**_run("sync", 2, [(0, 0, 0.2)]), "final_step": 2, "train_minutes": 2.0,
+             "steps": _timed_steps([(1, 9.0), (2, 9.0)])},
+            {**_run("overlap", 1, [(0, 0, 0.2)]), "final_step": 2, "train_minutes": 1.0,
+             "steps": _timed_steps([(1, 8.0), (2, 8.0)])},  # alone in its arm: never flagged
+            {**_run("sync", 3, [(0, 0, 0.2)]), "final_step": 1, "train_minutes": 1.0,
+             "steps": _timed_steps([(1, 7.0)])}]  # only step 1: it counts
+    assert ms.run_costs(runs[0])["trainer_ms_per_token"] == pytest.approx(5.0)
+    assert ms.run_costs(runs[3])["trainer_ms_per_token"] == pytest.approx(7.0)
+    assert "trainer_ms_per_token" not in ms.run_costs({**runs[0], "steps": [{"step": 2, "time/publish_seconds": 1.0}]})
+    slow = ms.slow_runs({"runs": runs})
+    assert [(s["arm"], s["seed"]) for s in slow] == [("sync", 2)]
+    assert slow[0]["factor"] == pytest.approx(1.8) and slow[0]["arm_lowest_ms_per_token"] == pytest.approx(5.0)
+    assert ms.slow_runs({"runs": runs}, factor=1.3) == [slow[0], {"arm": "sync", "seed": 3, "ms_per_token": 7.0,
+                                                                  "arm_lowest_ms_per_token": 5.0, "factor": 1.4}]
+    lines = ms.run_costs_markdown({"runs": runs}, ["sync", "overlap"])
+    assert lines[1].startswith("| run | s per step | trainer ms per token | publish s per step |")
+    assert lines[2].count("---") == 5 and lines[3] == "| sync s1 | 30.0 | 5.0 | 1.00 | 1.0 |"
+    assert lines[-1].startswith("Slower machine (trainer ms per token >= 1.5x its arm's cheapest run): "
+                                "sync s2 9.0 ms against 5.0 (1.8x).")
+    with pytest.raises(ValueError, match="factor above 1"):
+        ms.slow_runs({"runs": runs}, factor=1.0)
+
+
 def test_an_arm_can_turn_a_bool_field_off(ms, tmp_path):
     """``--arm notl="--buffer.timeline false"`` reaches the run's config as asyncrl train resolves it (the
     timeline's cost on the main job's step, issue 30)."""
