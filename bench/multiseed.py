@@ -739,16 +739,15 @@ def slow_runs(report: dict, factor: float = SLOW_MACHINE_FACTOR) -> list[dict]:
     if not factor > 1.0:
         raise ValueError(f"factor={factor}: a run is slow when it costs more than its arm's cheapest, so give a "
                          "factor above 1 (the default is 1.5)")
-    cost = {(r["arm"], r["seed"]): run_costs(r).get("trainer_ms_per_token") for r in report["runs"]}
-    lowest: dict[str, float] = {}
-    for (arm, _), v in cost.items():
-        if v is not None:
-            lowest[arm] = min(v, lowest.get(arm, v))
+    timed = [(r, v) for r in report["runs"] if (v := run_costs(r).get("trainer_ms_per_token")) is not None]
+    by_arm: dict[str, list[float]] = {}
+    for r, v in timed:
+        by_arm.setdefault(r["arm"], []).append(v)
     out = []
-    for r in report["runs"]:
-        v, low = cost[(r["arm"], r["seed"])], lowest.get(r["arm"])
-        if v is not None and low and sum(c is not None for (a, _), c in cost.items() if a == r["arm"]) > 1 \
-                and v >= factor * low:
+    for r, v in timed:
+        costs = by_arm[r["arm"]]
+        low = min(costs)
+        if len(costs) > 1 and low > 0 and v >= factor * low:
             out.append({"arm": r["arm"], "seed": r["seed"], "ms_per_token": v, "arm_lowest_ms_per_token": low,
                         "factor": v / low})
     return out
