@@ -56,6 +56,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -427,8 +428,19 @@ def _main_job_collect(ctx: Ctx, log: str) -> dict[str, Any]:
 
 def gpu_test_files() -> list[str]:
     """The test files that mark a test ``gpu``: only they are collected, so a module whose
-    imports a bare machine lacks (hypothesis, kubernetes...) cannot fail the collection."""
-    return sorted(str(f) for f in (REPO / "tests").glob("test_*.py") if "mark.gpu" in f.read_text(errors="replace"))
+    imports a bare machine lacks (hypothesis, kubernetes...) cannot fail the collection.
+
+    A file is selected when its text marks a test ``gpu`` (``mark.gpu``) or when it imports from a
+    test module that does (``from tests.test_sample_tokens import DEVICES``: the CPU/CUDA device
+    cases defined once and parametrized elsewhere). Without the second rule the context-cache
+    test's CUDA case went unrun on the GPU after its device list moved into another module.
+    ``tests/test_gpu_check.py`` checks the selection against pytest's own ``-m gpu`` collection.
+    """
+    texts = {f: f.read_text(errors="replace") for f in (REPO / "tests").glob("test_*.py")}
+    marking = {f.stem for f, t in texts.items() if "mark.gpu" in t}
+    imports = re.compile(r"^\s*(?:from\s+tests\.(\w+)\s+import|import\s+tests\.(\w+))", re.M)
+    return sorted(str(f) for f, t in texts.items()
+                  if f.stem in marking or any((m.group(1) or m.group(2)) in marking for m in imports.finditer(t)))
 
 
 def _gpu_tests_cmd(ctx: Ctx) -> list[str]:

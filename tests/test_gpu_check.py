@@ -186,6 +186,22 @@ def test_gpu_tests_stage_collects_only_the_files_with_gpu_marks():
     assert "test_rollout_launch.py" in files and "test_gpu_check.py" not in files
 
 
+@pytest.mark.slow
+def test_gpu_tests_stage_selects_every_file_that_pytest_collects_under_the_gpu_mark():
+    """pytest's own ``-m gpu`` collection of the whole suite (all imports are there on CPU) names the
+    files the stage must pass: a gpu case parametrized from a list imported from another test module
+    (the context-cache test's ``DEVICES``) went unrun on a GPU when the selection read only the
+    file's own text."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          "tests"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    collected = {line.split("::", 1)[0] for line in out.stdout.splitlines() if "::" in line}
+    assert "tests/test_rollout_profile.py" in collected, out.stdout[-3000:]
+    selected = {str(Path(f).relative_to(REPO)) for f in gc.gpu_test_files()}
+    assert collected <= selected, f"gpu tests the stage would not run: {sorted(collected - selected)}"
+    assert "tests/test_gpu_check.py" not in selected
+
+
 def test_validate_report_rejects_a_bad_shape():
     good = {"schema": gc.SCHEMA, "dry_run": False, "started": "t", "finished": "t", "wall_seconds": 1.0, "argv": [],
             "budget_seconds": 690.0, "git": {}, "summary": {},
