@@ -301,27 +301,47 @@ def time_to_ref_best(ref_runs: Sequence[dict], arm_runs: Sequence[dict], **kw: A
     (issue 28: "time to the synchronous run's best"). An arm seed that never got there counts
     with its training minutes (a lower bound) and marks the result ``censored``.
 
+    A seed whose reference never rose above its own base evaluation (its best is first reached at
+    step 0, before any training) has no time to the best: every arm is there at minute 0, and a
+    ratio of two zeros says nothing. Such a seed is left out of the ratio and listed in
+    ``no_gain`` with the reference's base and best trained accuracy and the arm's best, so that a
+    table shows it rather than hiding it (leaving it out flatters the reference: it is the seed on
+    which it learned nothing).
+
     Returns:
         :func:`bootstrap_ratio`'s dict (ref time / arm time; > 1: the arm is sooner) plus
-        ``censored``, ``seeds`` and ``levels`` (each seed's reference best); None without a common
-        seed.
+        ``censored``, ``seeds`` and ``levels`` (each compared seed's reference best) and
+        ``no_gain`` (``[{"seed", "ref_base", "ref_best_trained", "arm_best"}]``); when every common
+        seed is such a seed, ``ratio``, ``ci_low`` and ``ci_high`` are None and ``n`` is 0. None
+        without a common seed.
     """
     ref = {r["seed"]: r for r in ref_runs}
     arm = {r["seed"]: r for r in arm_runs}
     seeds = sorted(set(ref) & set(arm))
     if not seeds:
         return None
-    num, den, levels, censored = [], [], [], False
+    num, den, levels, used, no_gain, censored = [], [], [], [], [], False
     for s in seeds:
-        level = max(p["accuracy"] for p in ref[s]["curve"])
-        t_ref = time_to(ref[s]["curve"], level)
+        curve = ref[s]["curve"]
+        level = max(p["accuracy"] for p in curve)
+        first = next(p for p in curve if p["accuracy"] >= level)
+        if first.get("step") == 0:
+            trained = [p["accuracy"] for p in curve if p.get("step") != 0]
+            no_gain.append({"seed": s, "ref_base": first["accuracy"],
+                            "ref_best_trained": max(trained) if trained else None,
+                            "arm_best": max(p["accuracy"] for p in arm[s]["curve"])})
+            continue
+        t_ref = time_to(curve, level)
         t_arm = time_to(arm[s]["curve"], level)
         if t_arm is None:
             censored, t_arm = True, arm[s]["train_minutes"]
         num.append(max(t_ref, 1e-6))
         den.append(max(t_arm, 1e-6))
         levels.append(level)
-    return {**bootstrap_ratio(num, den, **kw), "censored": censored, "seeds": seeds, "levels": levels}
+        used.append(s)
+    out = (bootstrap_ratio(num, den, **kw) if num
+           else {"ratio": None, "ci_low": None, "ci_high": None, "n": 0})
+    return {**out, "censored": censored, "seeds": used, "levels": levels, "no_gain": no_gain}
 
 
 def compute_stats(report: dict) -> dict:
@@ -668,10 +688,15 @@ def markdown(report: dict) -> str:
             cells = []
             for lv in ("60%", "70%", "80%", "ref_best"):
                 r = per.get(lv)
-                cell = "—" if r is None else (f"{r['ratio']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
-                                              + (" (censored)" if r["censored"] else ""))
+                cell = "—" if r is None or r["ratio"] is None else (
+                    f"{r['ratio']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" + (" (censored)" if r["censored"] else ""))
                 if r is not None and lv == "ref_best":
-                    cell += " (" + ", ".join(f"{100 * v:.1f}" for v in r["levels"]) + ")"
+                    if r["levels"]:
+                        cell += " (" + ", ".join(f"{100 * v:.1f}" for v in r["levels"]) + ")"
+                    for g in r.get("no_gain", []):
+                        trained = "—" if g["ref_best_trained"] is None else f"{100 * g['ref_best_trained']:.1f}"
+                        cell += (f"; s{g['seed']} left out: {st['ratios_vs']} never rose above its base "
+                                 f"({100 * g['ref_base']:.1f}; best trained {trained}; {a}'s best {100 * g['arm_best']:.1f})")
                 cells.append(cell)
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

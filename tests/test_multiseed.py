@@ -112,6 +112,25 @@ def test_time_to_ref_best_uses_each_reference_seeds_best_as_the_level(ms):
     assert ms.time_to_ref_best(ref, [_run("async", 9, [(0, 0, 0.9)])]) is None  # no common seed
 
 
+def test_a_reference_seed_that_never_rose_above_its_base_is_left_out_and_named(ms):
+    # sync seed 2 is best at its base (0.11 at step 0, then 0.08, 0.03): every arm is "at its best" at
+    # minute 0, so the pair has no time to compare; seed 1 is compared as usual
+    ref = [_run("sync", 1, [(0, 0, 0.10), (4, 11.6, 0.15), (8, 19.0, 0.21)]),
+           _run("sync", 2, [(0, 0, 0.11), (4, 6.6, 0.08), (8, 13.3, 0.03)])]
+    arm = [_run("eta4", 1, [(0, 0, 0.10), (4, 9.5, 0.24)]), _run("eta4", 2, [(0, 0, 0.11), (4, 9.8, 0.30)])]
+    r = ms.time_to_ref_best(ref, arm)
+    assert r["seeds"] == [1] and r["levels"] == [0.21] and r["n"] == 1
+    assert r["ratio"] == pytest.approx(19.0 / 9.5)
+    assert r["no_gain"] == [{"seed": 2, "ref_base": 0.11, "ref_best_trained": 0.08, "arm_best": 0.30}]
+    # only such seeds: no ratio at all, and the table says why
+    r = ms.time_to_ref_best(ref[1:], arm[1:])
+    assert r["ratio"] is None and r["n"] == 0 and r["seeds"] == [] and len(r["no_gain"]) == 1
+    report = ms.compute_stats({"settings": {"steps": None, "minutes": 30, "eval_every": 4},
+                               "arms": ["sync", "eta4"], "runs": ref + arm})
+    md = ms.markdown(report)
+    assert "2.00 [2.00, 2.00] (21.0); s2 left out: sync never rose above its base (11.0; best trained 8.0; eta4's best 30.0)" in md
+
+
 def test_run_costs_and_their_table(ms):
     run = {**_run("async", 1, [(0, 0, 0.2), (50, 10.0, 0.8)]), "final_step": 50,
            "idle": {"rollout-0": 0.05, "trainer": 0.4},
