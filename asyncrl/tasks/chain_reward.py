@@ -1,4 +1,5 @@
-"""The ``chain`` task's own reward, ``data.reward: chain_partial`` (docs/tasks.md, "Partial credit").
+"""The ``chain`` task's own rewards, ``data.reward: chain_partial`` and ``chain_partial_strict``
+(docs/tasks.md, "Partial credit").
 
 Kept apart from :mod:`asyncrl.tasks.generated` (the task) and :mod:`asyncrl.tasks.rewards` (the
 scorer): it needs the scorer's answer check, and the scorer finds it by name through
@@ -13,7 +14,8 @@ from typing import Sequence
 
 from asyncrl.tasks.rewards import check_answer
 
-__all__ = ["CHAIN_PARTIAL_WEIGHT", "chain_correct_steps", "chain_partial_reward"]
+__all__ = ["CHAIN_PARTIAL_WEIGHT", "chain_correct_steps", "chain_partial_reward", "chain_partial_strict_reward",
+           "chain_step_lines"]
 
 #: one worked step of a chain answer, ``total + number = new total`` (at most 12 digits per number:
 #: bounded work and no oversized ``int`` conversion on a degenerate response)
@@ -45,6 +47,25 @@ def chain_correct_steps(response: str, numbers: Sequence[int]) -> int:
     return k
 
 
+def chain_step_lines(response: str) -> int:
+    """How many worked-step lines (``a + b = c`` matches, right or wrong) ``response`` writes.
+
+    Returns:
+        An int >= 0 (the assistant prefill ``"3 + 5 ="`` counts once its sum is written).
+    """
+    return sum(1 for _ in _STEP_LINE.finditer(response))
+
+
+def _chain_metadata(metadata: dict, name: str) -> tuple[list[int], str]:
+    """The chain problem's ``numbers`` and ``gold``; ValueError naming ``data.reward=name`` otherwise."""
+    numbers, gold = metadata.get("numbers"), metadata.get("gold")
+    if not isinstance(numbers, list) or len(numbers) < 2 or not all(isinstance(n, int) for n in numbers) \
+            or gold is None:
+        raise ValueError(f"data.reward={name} needs the chain task's metadata ('numbers', 'gold'); "
+                         "use it with data.task: chain")
+    return numbers, str(gold)
+
+
 def chain_partial_reward(prompt: str, response: str, metadata: dict) -> float:
     """``data.reward: chain_partial``: the chain task's outcome reward with partial credit per step.
 
@@ -57,15 +78,41 @@ def chain_partial_reward(prompt: str, response: str, metadata: dict) -> float:
     group a signal for each further step done right (a process reward in the sense of Lightman et
     al. 2023, "Let's Verify Step by Step", computed by rule rather than learned).
 
+    Its loophole (docs/tasks.md): a response that keeps adding after the last number earns the
+    same credit as one that stops (the counting stops at the problem's steps), so a policy can
+    learn to overshoot every problem; :func:`chain_partial_strict_reward` closes it.
+
     Raises:
         ValueError: ``metadata`` has no ``numbers`` list of at least two ints or no ``gold`` (not
             a chain problem).
     """
-    numbers, gold = metadata.get("numbers"), metadata.get("gold")
-    if not isinstance(numbers, list) or len(numbers) < 2 or not all(isinstance(n, int) for n in numbers) \
-            or gold is None:
-        raise ValueError("data.reward=chain_partial needs the chain task's metadata ('numbers', 'gold'); "
-                         "use it with data.task: chain")
-    if check_answer(response, str(gold)).correct:
+    numbers, gold = _chain_metadata(metadata, "chain_partial")
+    if check_answer(response, gold).correct:
         return 1.0
+    return CHAIN_PARTIAL_WEIGHT * chain_correct_steps(response, numbers) / len(numbers)
+
+
+def chain_partial_strict_reward(prompt: str, response: str, metadata: dict) -> float:
+    """``data.reward: chain_partial_strict``: ``chain_partial`` whose partial credit needs the
+    problem's own number of steps.
+
+    1.0 for a right final answer, as :func:`chain_partial_reward`. A wrong answer earns
+    ``CHAIN_PARTIAL_WEIGHT * k / (steps + 1)`` only when the response writes exactly ``steps``
+    worked-step lines (:func:`chain_step_lines`), else 0.0. Why: under ``chain_partial`` two
+    shapes that do not solve the problem kept their credit and were learned (docs/results.md
+    section O): stopping after two additions on every problem (the leading right steps still pay),
+    and adding on past the last number (``5, 7, 2`` answered ``5 + 7 = 12``, ``12 + 2 = 14``,
+    ``14 + 2 = 16``, ... ``Answer: 18``: both steps right, so 0.33, the most a wrong answer to a
+    2-step problem can earn). Requiring the step count makes the response's length follow the
+    problem, which is what the task measures, while a long problem's group keeps its signal for
+    each further right step among answers of the right shape.
+
+    Raises:
+        ValueError: as :func:`chain_partial_reward`.
+    """
+    numbers, gold = _chain_metadata(metadata, "chain_partial_strict")
+    if check_answer(response, gold).correct:
+        return 1.0
+    if chain_step_lines(response) != len(numbers) - 1:
+        return 0.0
     return CHAIN_PARTIAL_WEIGHT * chain_correct_steps(response, numbers) / len(numbers)

@@ -307,11 +307,13 @@ _BUILTINS: dict[str, RewardFn] = {"math_verify": math_verify_reward, "format": f
 #: built-in rewards that live in modules of their own, loaded by name like a user function; like
 #: ``math_verify`` they run without a thread and a timeout, and score exactly 1.0 for a right answer
 #: (the scorer reports that as ``correct``)
-_NAMED: dict[str, str] = {"chain_partial": "asyncrl.tasks.chain_reward:chain_partial_reward"}
+_NAMED: dict[str, str] = {"chain_partial": "asyncrl.tasks.chain_reward:chain_partial_reward",
+                          "chain_partial_strict": "asyncrl.tasks.chain_reward:chain_partial_strict_reward"}
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """A reward function by name: ``math_verify``, ``format``, ``chain_partial`` or a user ``module:function``.
+    """A reward function by name: ``math_verify``, ``format``, ``chain_partial``, ``chain_partial_strict`` or a
+    user ``module:function``.
 
     Raises:
         RewardError: the spec is malformed, the module cannot be imported, the attribute does
@@ -323,7 +325,8 @@ def load_reward_fn(spec: str) -> RewardFn:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(
-            f"data.reward={spec!r}: use 'math_verify', 'format', 'chain_partial' or a user function as 'module:function' "
+            f"data.reward={spec!r}: use 'math_verify', 'format', 'chain_partial', 'chain_partial_strict' or a user function "
+            "as 'module:function' "
             "(e.g. 'my_rewards:score')"
         )
     try:
