@@ -15,7 +15,7 @@ from asyncrl.core.config import ChainConfig, DataConfig, load_config
 from asyncrl.tasks.rewards import check_answer
 from asyncrl.tasks.base import is_heldout, problem_hash
 from asyncrl.tasks.chain_reward import (CHAIN_PARTIAL_WEIGHT, chain_correct_steps, chain_partial_reward,
-                                        chain_partial_strict_reward, chain_step_lines)
+                                        chain_partial_matched_reward, chain_step_lines)
 from asyncrl.tasks.generated import ChainTask, chain_solution, chain_steps
 from asyncrl.tasks.tasks import TaskError, load_task, render_response_prefix
 
@@ -199,39 +199,44 @@ def test_chain_partial_reward_ranks_right_answers_first_then_more_right_steps():
     assert chain_partial_reward("p", two, meta) < chain_partial_reward("p", five, meta)
 
 
-@pytest.mark.parametrize("fn", [chain_partial_reward, chain_partial_strict_reward])
+@pytest.mark.parametrize("fn", [chain_partial_reward, chain_partial_matched_reward])
 @pytest.mark.parametrize("meta", [{"gold": "3"}, {"numbers": [3], "gold": "3"}, {"numbers": [1, 2]},
                                   {"numbers": ["1", "2"], "gold": "3"}])
 def test_chain_partial_reward_outside_the_chain_task_is_a_clear_error(meta, fn):
-    name = "chain_partial_strict" if fn is chain_partial_strict_reward else "chain_partial"
+    name = "chain_partial_matched" if fn is chain_partial_matched_reward else "chain_partial"
     with pytest.raises(ValueError, match=f"data.reward={name} needs .*use it with data.task: chain"):
         fn("p", "1 + 2 = 3\nAnswer: 3", meta)
 
 
-def test_chain_partial_strict_pays_partial_credit_only_for_the_problems_own_number_of_steps():
-    """The two shapes section O's runs learned under chain_partial earn nothing under the strict
+def test_chain_partial_matched_scales_partial_credit_by_the_length_match():
+    """The two shapes section O's runs learned under chain_partial earn less under the matched
     reward: adding on past the last number (seed 2: "5, 7, 2" answered 18) and stopping after two
-    additions on a long problem (seed 1); a wrong answer of the right shape keeps its credit."""
+    additions on a long problem (seed 1); a wrong answer of the right length keeps its full credit."""
     nums = [5, 7, 2]
     meta = {"numbers": nums, "gold": "14"}
     overshoot = "5 + 7 = 12\n12 + 2 = 14\n14 + 2 = 16\n16 + 2 = 18\nAnswer: 18"
     assert chain_step_lines(overshoot) == 4 and chain_correct_steps(overshoot, nums) == 2
     assert chain_partial_reward("p", overshoot, meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 2 / 3)  # the loophole
-    assert chain_partial_strict_reward("p", overshoot, meta) == 0.0
-    assert chain_partial_strict_reward("p", "5 + 7 = 12\n12 + 2 = 14\nAnswer: 14", meta) == 1.0
-    assert chain_partial_strict_reward("p", "5 + 7 = 12\n12 + 2 = 15\nAnswer: 15", meta) == \
-        pytest.approx(CHAIN_PARTIAL_WEIGHT * 1 / 3)  # right shape, second sum wrong
+    assert chain_partial_matched_reward("p", overshoot, meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 2 / 3 * 2 / 4)
+    longer = overshoot.replace("\nAnswer: 18", "\n18 + 2 = 20\n20 + 2 = 22\nAnswer: 22")
+    assert chain_partial_matched_reward("p", longer, meta) < chain_partial_matched_reward("p", overshoot, meta)
+    assert chain_partial_matched_reward("p", "5 + 7 = 12\n12 + 2 = 14\nAnswer: 14", meta) == 1.0
+    one_wrong = "5 + 7 = 12\n12 + 2 = 15\nAnswer: 15"  # right length, second sum wrong: full credit for 1 step
+    assert chain_partial_matched_reward("p", one_wrong, meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 1 / 3)
     # a right final answer is 1.0 whatever the lines, as under chain_partial and math_verify
-    assert chain_partial_strict_reward("p", "Answer: 14", meta) == 1.0
+    assert chain_partial_matched_reward("p", "Answer: 14", meta) == 1.0
+    assert chain_partial_matched_reward("p", "no idea", meta) == 0.0
     long_nums = [3, 5, 2, 7, 4, 1, 6, 2, 9, 8, 5]  # 10 steps
     long_meta = {"numbers": long_nums, "gold": str(sum(long_nums))}
     two = "3 + 5 = 8\n8 + 2 = 10\nAnswer: 10"
-    assert chain_partial_reward("p", two, long_meta) > 0 and chain_partial_strict_reward("p", two, long_meta) == 0.0
+    assert chain_partial_matched_reward("p", two, long_meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 2 / 11 * 2 / 10)
     lines = chain_solution(long_nums).rsplit("Answer:", 1)[0].splitlines()
-    five_then_wrong = "\n".join(lines[:5] + [f"{1} + {n} = {1 + n}" for n in long_nums[6:]]) + "\nAnswer: 1"
+    five_then_wrong = "\n".join(lines[:5] + [f"1 + {n} = {1 + n}" for n in long_nums[6:]]) + "\nAnswer: 1"
     assert chain_step_lines(five_then_wrong) == 10
-    assert chain_partial_strict_reward("p", five_then_wrong, long_meta) == pytest.approx(CHAIN_PARTIAL_WEIGHT * 5 / 11)
-    assert chain_partial_strict_reward("p", five_then_wrong, long_meta) < 0.5
+    full = chain_partial_matched_reward("p", five_then_wrong, long_meta)
+    assert full == pytest.approx(CHAIN_PARTIAL_WEIGHT * 5 / 11) and full < 0.5
+    # within a long problem's group the ranking is: right answer, then right steps at the right length
+    assert 1.0 > full > chain_partial_matched_reward("p", two, long_meta) > 0.0
 
 
 def test_chain_partial_through_the_scorer_fails_only_its_sample():
@@ -251,9 +256,10 @@ def test_chain_partial_through_the_scorer_fails_only_its_sample():
     assert scorer.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta).reward == 1.0  # unaffected
     # the long-tail config ships it (docs/tasks.md: the outcome reward taught 2-step answers only)
     assert load_config(["--config", str(LONGTAIL)], environ={}).data.reward == "chain_partial"
-    # the strict variant loads by name too, through the same path
-    strict = RewardScorer("chain_partial_strict")
-    assert strict.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta).reward == 1.0
-    assert strict.score("p", " 8\n8 + 2 = 10\nAnswer: 10", meta).reward == 0.0  # 2 lines for 3 steps
-    assert strict.score("p", " 8\n8 + 2 = 10\n10 + 7 = 18\nAnswer: 18", meta).reward == \
+    # the matched variant loads by name too, through the same path
+    matched = RewardScorer("chain_partial_matched")
+    assert matched.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta).reward == 1.0
+    assert matched.score("p", " 8\n8 + 2 = 10\nAnswer: 10", meta).reward == \
+        pytest.approx(CHAIN_PARTIAL_WEIGHT * 2 / 4 * 2 / 3)  # 2 lines for 3 steps
+    assert matched.score("p", " 8\n8 + 2 = 10\n10 + 7 = 18\nAnswer: 18", meta).reward == \
         pytest.approx(CHAIN_PARTIAL_WEIGHT * 2 / 4)

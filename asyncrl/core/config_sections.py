@@ -201,7 +201,7 @@ class DataConfig(_Section):
     response_prefix: str | None = None
     """Text that opens the assistant's turn after the chat template's generation prompt (an assistant prefill), formatted with the problem's metadata (``"{expression} ="`` for arithmetic; ``gold`` is not available). It is part of the prompt tokens, so it is never trained on; reward functions and evaluation see ``prefix + generated text``. None: no prefill."""
     reward: str = "math_verify"
-    """Reward function: ``math_verify`` (answer check), ``format``, ``chain_partial`` (the chain task's answer check with partial credit per correct step, docs/tasks.md), ``chain_partial_strict`` (the same, with partial credit only for an answer of the problem's own number of steps) or a user function ``module:function``."""
+    """Reward function: ``math_verify`` (answer check), ``format``, ``chain_partial`` (the chain task's answer check with partial credit per correct step, docs/tasks.md), ``chain_partial_matched`` (the same, with the partial credit scaled by how well the answer's number of steps matches the problem's) or a user function ``module:function``."""
     format_reward_weight: float = Field(0.0, ge=0.0, le=1.0)
     """Weight of the format reward added to the correctness reward."""
     reward_timeout_seconds: float = Field(60.0, gt=0, le=86_400)

@@ -1,4 +1,4 @@
-"""The ``chain`` task's own rewards, ``data.reward: chain_partial`` and ``chain_partial_strict``
+"""The ``chain`` task's own rewards, ``data.reward: chain_partial`` and ``chain_partial_matched``
 (docs/tasks.md, "Partial credit").
 
 Kept apart from :mod:`asyncrl.tasks.generated` (the task) and :mod:`asyncrl.tasks.rewards` (the
@@ -14,7 +14,7 @@ from typing import Sequence
 
 from asyncrl.tasks.rewards import check_answer
 
-__all__ = ["CHAIN_PARTIAL_WEIGHT", "chain_correct_steps", "chain_partial_reward", "chain_partial_strict_reward",
+__all__ = ["CHAIN_PARTIAL_WEIGHT", "chain_correct_steps", "chain_partial_reward", "chain_partial_matched_reward",
            "chain_step_lines"]
 
 #: one worked step of a chain answer, ``total + number = new total`` (at most 12 digits per number:
@@ -80,7 +80,7 @@ def chain_partial_reward(prompt: str, response: str, metadata: dict) -> float:
 
     Its loophole (docs/tasks.md): a response that keeps adding after the last number earns the
     same credit as one that stops (the counting stops at the problem's steps), so a policy can
-    learn to overshoot every problem; :func:`chain_partial_strict_reward` closes it.
+    learn to overshoot every problem; :func:`chain_partial_matched_reward` scales the credit down for it.
 
     Raises:
         ValueError: ``metadata`` has no ``numbers`` list of at least two ints or no ``gold`` (not
@@ -92,27 +92,36 @@ def chain_partial_reward(prompt: str, response: str, metadata: dict) -> float:
     return CHAIN_PARTIAL_WEIGHT * chain_correct_steps(response, numbers) / len(numbers)
 
 
-def chain_partial_strict_reward(prompt: str, response: str, metadata: dict) -> float:
-    """``data.reward: chain_partial_strict``: ``chain_partial`` whose partial credit needs the
-    problem's own number of steps.
+def chain_partial_matched_reward(prompt: str, response: str, metadata: dict) -> float:
+    """``data.reward: chain_partial_matched``: ``chain_partial`` with its partial credit scaled by how
+    well the response's number of worked steps matches the problem's.
 
     1.0 for a right final answer, as :func:`chain_partial_reward`. A wrong answer earns
-    ``CHAIN_PARTIAL_WEIGHT * k / (steps + 1)`` only when the response writes exactly ``steps``
-    worked-step lines (:func:`chain_step_lines`), else 0.0. Why: under ``chain_partial`` two
-    shapes that do not solve the problem kept their credit and were learned (docs/results.md
-    section O): stopping after two additions on every problem (the leading right steps still pay),
-    and adding on past the last number (``5, 7, 2`` answered ``5 + 7 = 12``, ``12 + 2 = 14``,
-    ``14 + 2 = 16``, ... ``Answer: 18``: both steps right, so 0.33, the most a wrong answer to a
-    2-step problem can earn). Requiring the step count makes the response's length follow the
-    problem, which is what the task measures, while a long problem's group keeps its signal for
-    each further right step among answers of the right shape.
+    ``CHAIN_PARTIAL_WEIGHT * k / (steps + 1) * min(L, steps) / max(L, steps)``, where ``k`` counts
+    the leading right steps (:func:`chain_correct_steps`) and ``L`` the worked-step lines written
+    (:func:`chain_step_lines`): full partial credit for an answer of the problem's own length, less
+    the further its length is off, in either direction. Why: under ``chain_partial`` two shapes
+    that do not solve the problem kept their credit and were learned (docs/results.md section O):
+    stopping after two additions on every problem (the leading right steps still pay), and adding
+    on past the last number (``5, 7, 2`` answered ``5 + 7 = 12``, ``12 + 2 = 14``, ``14 + 2 = 16``,
+    ``16 + 2 = 18``, ``Answer: 18``: both steps right, so 0.33, the most a wrong answer to a 2-step
+    problem can earn; here 0.17). The factor makes the response's length follow the problem, which
+    is what the task measures. It is a factor rather than a gate (credit only at the exact length)
+    because at base only 2 of 28 answers to 6-10-step problems and none of 20 longer ones have the
+    exact length (docs/tasks.md): a gate would leave long problems' groups without reward variance
+    again, the failure partial credit was made for.
+
+    Returns:
+        A float in ``[0, 1]``; below ``CHAIN_PARTIAL_WEIGHT`` unless the answer is right.
 
     Raises:
         ValueError: as :func:`chain_partial_reward`.
     """
-    numbers, gold = _chain_metadata(metadata, "chain_partial_strict")
+    numbers, gold = _chain_metadata(metadata, "chain_partial_matched")
     if check_answer(response, gold).correct:
         return 1.0
-    if chain_step_lines(response) != len(numbers) - 1:
+    steps, lines = len(numbers) - 1, chain_step_lines(response)
+    if lines == 0:
         return 0.0
-    return CHAIN_PARTIAL_WEIGHT * chain_correct_steps(response, numbers) / len(numbers)
+    match = min(lines, steps) / max(lines, steps)
+    return CHAIN_PARTIAL_WEIGHT * chain_correct_steps(response, numbers) / len(numbers) * match

@@ -308,11 +308,11 @@ _BUILTINS: dict[str, RewardFn] = {"math_verify": math_verify_reward, "format": f
 #: ``math_verify`` they run without a thread and a timeout, and score exactly 1.0 for a right answer
 #: (the scorer reports that as ``correct``)
 _NAMED: dict[str, str] = {"chain_partial": "asyncrl.tasks.chain_reward:chain_partial_reward",
-                          "chain_partial_strict": "asyncrl.tasks.chain_reward:chain_partial_strict_reward"}
+                          "chain_partial_matched": "asyncrl.tasks.chain_reward:chain_partial_matched_reward"}
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """A reward function by name: ``math_verify``, ``format``, ``chain_partial``, ``chain_partial_strict`` or a
+    """A reward function by name: ``math_verify``, ``format``, ``chain_partial``, ``chain_partial_matched`` or a
     user ``module:function``.
 
     Raises:
@@ -325,7 +325,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(
-            f"data.reward={spec!r}: use 'math_verify', 'format', 'chain_partial', 'chain_partial_strict' or a user function "
+            f"data.reward={spec!r}: use 'math_verify', 'format', 'chain_partial', 'chain_partial_matched' or a user function "
             "as 'module:function' "
             "(e.g. 'my_rewards:score')"
         )
