@@ -121,7 +121,5 @@ def chain_partial_matched_reward(prompt: str, response: str, metadata: dict) -> 
     if check_answer(response, gold).correct:
         return 1.0
     steps, lines = len(numbers) - 1, chain_step_lines(response)
-    if lines == 0:
-        return 0.0
-    match = min(lines, steps) / max(lines, steps)
+    match = min(lines, steps) / max(lines, steps)  # steps >= 1; no lines: 0
     return CHAIN_PARTIAL_WEIGHT * chain_correct_steps(response, numbers) / len(numbers) * match
