@@ -513,6 +513,41 @@ def _environment() -> dict:
     return {"commit": commit, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
 
 
+def machine_probe(model: str = "smollm2-135m-instruct", concurrency: int = 26, threads: int = 2,
+                  gen_tokens: int = 128, timeout: float = 900.0) -> dict:
+    """The machine's speed now: tokens/s of the plain batched decode loop of ``bench/rollout_bench.py
+    --no-server`` (``concurrency`` rows of 64 prompt tokens, ``gen_tokens`` sampled tokens each, on
+    ``threads`` threads; about 1.5 minutes on two cores for SmolLM2-135M), run in a child process
+    between runs, never during one.
+
+    This machine's speed drifts: the same loop gave 149-181 tok/s on 2026-11-29 and 37-92 on some
+    evenings of 2026-11-30 with nothing else running (docs/results.md, section O). A run's times mean
+    little without the speed of the machine it ran on, so ``--machine_probe`` records this before and
+    after every run (``machine_before`` and ``machine_after`` in the run's record).
+
+    Returns:
+        ``{"tokens_per_second", "concurrency", "threads", "gen_tokens", "utc", "load_average"}``, or
+        ``{"error": "...", "utc"}`` when the loop failed (the run itself still goes ahead: a missing
+        reading is reported as missing, not as a speed).
+    """
+    utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with tempfile.TemporaryDirectory(prefix="machine_probe_") as d:
+        out = Path(d) / "probe.json"
+        cmd = [sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--no-server", "--model", model,
+               "--concurrency", str(concurrency), "--threads", str(threads), "--gen-tokens", str(gen_tokens),
+               "--json", str(out)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the decode loop ran past {timeout:g} s", "utc": utc}
+        if p.returncode != 0 or not out.exists():
+            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"error": f"bench/rollout_bench.py exited {p.returncode}: {tail[0]}", "utc": utc}
+        rec = json.loads(out.read_text())
+    return {"tokens_per_second": rec["rows"][0]["ceiling_tokens_per_second"], "concurrency": concurrency,
+            "threads": threads, "gen_tokens": gen_tokens, "utc": utc, "load_average": rec.get("load_average")}
+
+
 def plot(report: dict, path: Path) -> None:
     """Mean held-out curve per arm (line), min-max band over seeds (shaded), each seed (thin).
 
@@ -717,7 +752,9 @@ def run_costs(run: dict) -> dict:
         when the run stopped), each in [0, 1]; ``trainer_ms_per_token``: the median over steps (step 1,
         which warms up, left out when later steps exist) of the trainer's forward, backward and
         optimizer seconds per processed token (prompt and response tokens of the batch), in
-        milliseconds. With the same code and settings it measures the machine: a run whose trainer ran
+        milliseconds; ``machine_before`` and ``machine_after``: the plain decode loop's tokens/s
+        measured just before and just after the run (:func:`machine_probe`, with ``--machine_probe``).
+        With the same code and settings the trainer's cost measures the machine: a run whose trainer ran
         alone (the synchronous mode) and costs 2x its arm's other runs ran on a slower or shared
         machine (:func:`slow_runs`).
     """
@@ -738,6 +775,9 @@ def run_costs(run: dict) -> dict:
         vals = [s[key] for s in steps if key in s]
         if vals:
             out[name] = scale * _mean(vals)
+    for key in ("machine_before", "machine_after"):
+        if (run.get(key) or {}).get("tokens_per_second") is not None:
+            out[key] = run[key]["tokens_per_second"]
     books = run.get("books", {})
     appended = books.get("buffer/appended_tokens")
     trained = [s["train/response_tokens"] for s in steps if "train/response_tokens" in s]
@@ -789,9 +829,11 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
     roles = sorted({role for _, c in rows for role in c.get("idle", {})})
     books = any("appended_tokens" in c for _, c in rows)
     speed = any("trainer_ms_per_token" in c for _, c in rows)
+    probe = any("machine_before" in c or "machine_after" in c for _, c in rows)
     fmt = lambda c, k, f: "—" if k not in c else format(c[k], f)  # noqa: E731
     head = (["run", "s per step"] + (["trainer ms per token"] if speed else []) + [f"idle {role}" for role in roles]
             + ["publish s per step", "publish MB per step"]
+            + (["machine tok/s before / after"] if probe else [])
             + (["appended tokens", "trained tokens", "discarded by restarts", "never trained"] if books else []))
     lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, c in rows:
@@ -800,6 +842,7 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
                  + ([fmt(c, "trainer_ms_per_token", ".1f")] if speed else [])
                  + ["—" if role not in idle else f"{idle[role]:.2f}" for role in roles]
                  + [fmt(c, "publish_seconds", ".2f"), fmt(c, "publish_megabytes", ".1f")]
+                 + ([f"{fmt(c, 'machine_before', '.1f')} / {fmt(c, 'machine_after', '.1f')}"] if probe else [])
                  + ([fmt(c, "appended_tokens", ","), fmt(c, "trained_tokens", ","),
                      fmt(c, "restart_discarded_share", ".1%"), fmt(c, "untrained_share", ".1%")] if books else []))
         lines.append("| " + " | ".join(cells) + " |")
@@ -897,6 +940,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep_run_files", action="store_true",
                     help="keep each run's checkpoints and every weight version (default: keep the newest weights only)")
     ap.add_argument("--markdown", action="store_true", help="with --replot: print the tables for docs/results.md")
+    ap.add_argument("--machine_probe", action="store_true",
+                    help="measure the machine's speed (bench/rollout_bench.py's plain decode loop, ~1.5 min) before "
+                         "and after every run and keep it in the run's record (machine_before, machine_after)")
     ap.add_argument("--reread", type=Path, default=None, metavar="OUT_DIR",
                     help="with --replot: refresh each recorded run from its run directory OUT_DIR/<arm>-s<seed> "
                          "(records a newer harness reads, e.g. idle ratios and publish costs)")
@@ -955,13 +1001,20 @@ def main(argv: list[str] | None = None) -> int:
     run_settings = {**settings, "keep_run_files": args.keep_run_files, "save_every": args.trl_save_every}
     out_dir.mkdir(parents=True, exist_ok=True)
     for arm, seed in todo:
-        t0 = time.perf_counter()
         print(f"multiseed: {arm} seed {seed} ...", flush=True)
+        probes = {"machine_before": machine_probe()} if args.machine_probe else {}
+        if probes:
+            print(f"multiseed: machine before: {probes['machine_before']}", flush=True)
+        t0 = time.perf_counter()
         if arms[arm] is None:
             rec = run_trl_seed(out_dir, seed, run_settings)
         else:
             rec = run_asyncrl(out_dir, arm, seed, arms[arm], run_settings)
-        rec.update({"arm": arm, "seed": seed, "real_seconds": time.perf_counter() - t0,
+        real_seconds = time.perf_counter() - t0
+        if probes:
+            probes["machine_after"] = machine_probe()
+            print(f"multiseed: machine after: {probes['machine_after']}", flush=True)
+        rec.update({**probes, "arm": arm, "seed": seed, "real_seconds": real_seconds,
                     "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_environment()})
         report["runs"].append(rec)
         compute_stats(report)
