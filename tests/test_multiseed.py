@@ -196,6 +196,33 @@ def test_trainer_cost_per_token_and_the_slow_machine_flag(ms):
         ms.slow_runs({"runs": runs}, factor=1.0)
 
 
+def test_the_machine_probe_columns_in_the_costs_table(ms):
+    """``--machine_probe`` readings (tokens/s before and after a run) become one column; a run without
+    them, or whose probe failed, shows dashes rather than a speed."""
+    base = {**_run("sync", 1, [(0, 0, 0.2)]), "final_step": 2, "train_minutes": 1.0,
+            "steps": [{"step": 1, "time/publish_seconds": 1.0, "train/publish_bytes": 1e6}]}
+    probed = {**base, "seed": 2, "machine_before": {"tokens_per_second": 150.25, "utc": "t"},
+              "machine_after": {"error": "bench/rollout_bench.py exited 1: boom", "utc": "t"}}
+    c = ms.run_costs(probed)
+    assert c["machine_before"] == pytest.approx(150.25) and "machine_after" not in c
+    assert "machine_before" not in ms.run_costs(base)
+    lines = ms.run_costs_markdown({"runs": [base, probed]}, ["sync"])
+    assert lines[1].endswith("| publish MB per step | machine tok/s before / after |")
+    assert lines[3].endswith("| 1.0 | — / — |") and lines[4].endswith("| 1.0 | 150.2 / — |")
+    assert ms.run_costs_markdown({"runs": [base]}, ["sync"])[1].endswith("| publish MB per step |")
+
+
+@pytest.mark.slow
+def test_machine_probe_runs_the_plain_decode_loop_and_reports_a_failure(ms, tiny_model_dir):
+    """The probe runs bench/rollout_bench.py's plain loop in a child process and returns its tokens/s;
+    a loop that cannot start comes back as an error naming why, not as a speed."""
+    got = ms.machine_probe(model=str(tiny_model_dir), concurrency=2, threads=1, gen_tokens=4)
+    assert got["tokens_per_second"] > 0 and (got["concurrency"], got["threads"], got["gen_tokens"]) == (2, 1, 4)
+    assert len(got["load_average"]) == 3 and got["utc"].endswith("Z")
+    bad = ms.machine_probe(model=str(tiny_model_dir / "missing"), concurrency=2, threads=1, gen_tokens=4)
+    assert "tokens_per_second" not in bad and "exited 1" in bad["error"] and "does not exist" in bad["error"]
+
+
 def test_an_arm_can_turn_a_bool_field_off(ms, tmp_path):
     """``--arm notl="--buffer.timeline false"`` reaches the run's config as asyncrl train resolves it (the
     timeline's cost on the main job's step, issue 30)."""
