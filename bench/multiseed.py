@@ -22,6 +22,9 @@ the machine hits every arm alike, and reports for each arm:
 - each run's trainer cost per processed token (forward, backward and optimizer milliseconds), a
   reading of the machine's speed: ``--markdown`` names every run that cost >= 1.5x its arm's
   cheapest run, since such a run's times measure a slower or shared machine as much as the arm;
+- with ``--machine_probe``, the machine's speed just before and just after each run (the plain
+  decode loop of ``bench/rollout_bench.py``, tokens/s; :func:`machine_probe`), which on a machine
+  whose speed drifts between hours says whether two runs' times are comparable at all;
 - per-step training records of every run (train reward, behaviour KL, importance weights,
   entropy, gradient norm, staleness), so that a collapse can be read off the raw JSON;
 - the buffer's group books per step (groups finished, zero-variance groups, prompts selective
