@@ -383,9 +383,10 @@ def read_run(run_dir: Path) -> dict:
     """A finished ``asyncrl train`` run's curve and per-step records, from its run directory.
 
     Returns:
-        ``{"curve": [{minutes, step, accuracy, ci95_low, ci95_high}], "steps": [{step, minutes,
+        ``{"curve": [{minutes, step, accuracy, ci95_low, ci95_high, eval_seconds}], "steps": [{step, minutes,
         <STEP_FIELDS>}], "train_minutes", "final_step", "books", "groups", "idle"}`` (minutes of
-        training wall time, evaluation excluded; ``books``: the controller's last value of each
+        training wall time, evaluation excluded; ``eval_seconds``: the evaluation's own wall seconds,
+        where the controller recorded them; ``books``: the controller's last value of each
         :data:`BOOK_FIELDS`; ``groups``: ``[{step, <GROUP_FIELDS>}]``, the controller's last record of
         each step that has them (running totals); ``idle``: role -> mean of its ``idle_ratio/<role>`` records, a share in
         [0, 1] of the wall time the role waited, from the controller's records, or the trainer's own
@@ -408,7 +409,8 @@ def read_run(run_dir: Path) -> dict:
         if "eval/accuracy_sampled" in rec:
             curve.append({"minutes": rec["wall_seconds"] / 60.0, "step": rec["step"],
                           "accuracy": rec["eval/accuracy_sampled"], "ci95_low": rec["eval/ci95_low"],
-                          "ci95_high": rec["eval/ci95_high"]})
+                          "ci95_high": rec["eval/ci95_high"],
+                          **({"eval_seconds": rec["eval/eval_seconds"]} if "eval/eval_seconds" in rec else {})})
     trainer = run_dir / "metrics-trainer.jsonl"
     if trainer.exists():
         for line in trainer.read_text().splitlines():
@@ -756,7 +758,10 @@ def run_costs(run: dict) -> dict:
         which warms up, left out when later steps exist) of the trainer's forward, backward and
         optimizer seconds per processed token (prompt and response tokens of the batch), in
         milliseconds; ``machine_before`` and ``machine_after``: the plain decode loop's tokens/s
-        measured just before and just after the run (:func:`machine_probe`, with ``--machine_probe``).
+        measured just before and just after the run (:func:`machine_probe`, with ``--machine_probe``);
+        ``base_eval_seconds``: the wall seconds of the run's step-0 evaluation. That evaluation samples
+        the base model on the same problems with the run's seed, so for one seed it is the same work
+        in every arm (the same tokens): a free reading of the machine's speed as each run started.
         With the same code and settings the trainer's cost measures the machine: a run whose trainer ran
         alone (the synchronous mode) and costs 2x its arm's other runs ran on a slower or shared
         machine (:func:`slow_runs`).
@@ -778,6 +783,9 @@ def run_costs(run: dict) -> dict:
         vals = [s[key] for s in steps if key in s]
         if vals:
             out[name] = scale * _mean(vals)
+    first = (run.get("curve") or [{}])[0]
+    if first.get("step") == 0 and first.get("eval_seconds") is not None:
+        out["base_eval_seconds"] = first["eval_seconds"]
     for key in ("machine_before", "machine_after"):
         if (run.get(key) or {}).get("tokens_per_second") is not None:
             out[key] = run[key]["tokens_per_second"]
@@ -833,9 +841,11 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
     books = any("appended_tokens" in c for _, c in rows)
     speed = any("trainer_ms_per_token" in c for _, c in rows)
     probe = any("machine_before" in c or "machine_after" in c for _, c in rows)
+    base_eval = any("base_eval_seconds" in c for _, c in rows)
     fmt = lambda c, k, f: "—" if k not in c else format(c[k], f)  # noqa: E731
     head = (["run", "s per step"] + (["trainer ms per token"] if speed else []) + [f"idle {role}" for role in roles]
             + ["publish s per step", "publish MB per step"]
+            + (["step-0 eval s"] if base_eval else [])
             + (["machine tok/s before / after"] if probe else [])
             + (["appended tokens", "trained tokens", "discarded by restarts", "never trained"] if books else []))
     lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -845,6 +855,7 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
                  + ([fmt(c, "trainer_ms_per_token", ".1f")] if speed else [])
                  + ["—" if role not in idle else f"{idle[role]:.2f}" for role in roles]
                  + [fmt(c, "publish_seconds", ".2f"), fmt(c, "publish_megabytes", ".1f")]
+                 + ([fmt(c, "base_eval_seconds", ".0f")] if base_eval else [])
                  + ([f"{fmt(c, 'machine_before', '.1f')} / {fmt(c, 'machine_after', '.1f')}"] if probe else [])
                  + ([fmt(c, "appended_tokens", ","), fmt(c, "trained_tokens", ","),
                      fmt(c, "restart_discarded_share", ".1%"), fmt(c, "untrained_share", ".1%")] if books else []))

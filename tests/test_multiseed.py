@@ -334,7 +334,8 @@ def test_no_run_starts_when_an_arm_cannot(ms, tmp_path, capsys, monkeypatch):
 def test_read_run_from_a_run_directory(ms, tmp_path):
     run = tmp_path / "async-s1"
     run.mkdir()
-    ctl = [{"step": 0, "wall_seconds": 0.3, "eval/accuracy_sampled": 0.18, "eval/ci95_low": 0.14, "eval/ci95_high": 0.22},
+    ctl = [{"step": 0, "wall_seconds": 0.3, "eval/accuracy_sampled": 0.18, "eval/ci95_low": 0.14, "eval/ci95_high": 0.22,
+            "eval/eval_seconds": 304.5},
            {"step": 3, "wall_seconds": 61.0, "buffer/zero_variance_share": 0.25, "buffer/restarts": 4},
            {"step": 5, "wall_seconds": 90.0, "eval/accuracy_sampled": 0.5, "eval/ci95_low": 0.45, "eval/ci95_high": 0.55,
             "buffer/zero_variance_share": 0.5}]
@@ -348,6 +349,11 @@ def test_read_run_from_a_run_directory(ms, tmp_path):
     assert rec["steps"][0] == {"step": 1, "minutes": pytest.approx(0.3), "reward/mean": 0.1, "train/behaviour_kl": 0.01}
     assert rec["books"] == {"buffer/zero_variance_share": 0.5, "buffer/restarts": 4}
     assert rec["idle"] == {}  # these records carry no idle ratios
+    # the step-0 evaluation's own seconds (the same work in every arm of a seed): a machine reading
+    assert rec["curve"][0]["eval_seconds"] == 304.5 and "eval_seconds" not in rec["curve"][1]
+    assert ms.run_costs(rec)["base_eval_seconds"] == 304.5
+    lines = ms.run_costs_markdown({"runs": [{**rec, "arm": "async", "seed": 1, "idle": {"trainer": 0.5}}]}, ["async"])
+    assert "| step-0 eval s |" in lines[1] and "| 304 |" in lines[3]
 
 
 def test_read_run_idle_ratios_and_reread(ms, tmp_path):
