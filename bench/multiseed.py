@@ -522,13 +522,13 @@ def machine_probe(model: str = "smollm2-135m-instruct", concurrency: int = 26, t
                   gen_tokens: int = 128, timeout: float = 900.0) -> dict:
     """The machine's speed now: tokens/s of the plain batched decode loop of ``bench/rollout_bench.py
     --no-server`` (``concurrency`` rows of 64 prompt tokens, ``gen_tokens`` sampled tokens each, on
-    ``threads`` threads; about 1.5 minutes on two cores for SmolLM2-135M), run in a child process
+    ``threads`` threads; 1-2 minutes on two cores for SmolLM2-135M), run in a child process
     between runs, never during one.
 
-    This machine's speed drifts: the same loop gave 149-181 tok/s on 2026-11-29 and 37-92 on some
-    evenings of 2026-11-30 with nothing else running (docs/results.md, section O). A run's times mean
-    little without the speed of the machine it ran on, so ``--machine_probe`` records this before and
-    after every run (``machine_before`` and ``machine_after`` in the run's record).
+    This machine's speed drifts: the same loop gave 149-181 tok/s on 2026-11-29 and 35-186 within
+    one evening of 2026-11-30 with nothing else running (docs/results.md, sections O and P). A run's
+    times mean little without the speed of the machine it ran on, so ``--machine_probe`` records
+    this before and after every run (``machine_before`` and ``machine_after`` in the run's record).
 
     Returns:
         ``{"tokens_per_second", "concurrency", "threads", "gen_tokens", "utc", "load_average"}``, or
@@ -955,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep each run's checkpoints and every weight version (default: keep the newest weights only)")
     ap.add_argument("--markdown", action="store_true", help="with --replot: print the tables for docs/results.md")
     ap.add_argument("--machine_probe", action="store_true",
-                    help="measure the machine's speed (bench/rollout_bench.py's plain decode loop, ~1.5 min) before "
+                    help="measure the machine's speed (bench/rollout_bench.py's plain decode loop, 1-2 min) before "
                          "and after every run and keep it in the run's record (machine_before, machine_after)")
     ap.add_argument("--reread", type=Path, default=None, metavar="OUT_DIR",
                     help="with --replot: refresh each recorded run from its run directory OUT_DIR/<arm>-s<seed> "
