@@ -16,7 +16,8 @@ Each arm runs in its own process (clean counters), once per allocator setting (`
   main job ran before trainer/memory.py;
 * ``trim``: the same, with ``malloc_trim(0)`` after each stage (what the heap holds free versus
   what is live);
-* ``fixed``: the trainer's default, a fixed 1 MiB threshold (trainer/memory.py): every block of
+* ``fixed``: ``trainer.heap_mmap_threshold_bytes: 1048576``, a fixed 1 MiB threshold
+  (trainer/memory.py; off by default): every block of
   1 MiB or more is its own mapping, returned to the system when freed.
 
 Recorded after each stage (model load, LoRA wrap, ``Trainer`` construction = ``deepspeed.initialize``,
@@ -55,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 GB = 1e9
 ARMS = {"full": {}, "lora": {"trainer": {"lora": {"rank": 16, "alpha": 32}}}}
 #: allocator setting -> trainer config overrides
-ALLOCATORS = {"glibc": {"heap_mmap_threshold_bytes": None}, "trim": {"heap_mmap_threshold_bytes": None}, "fixed": {}}
+ALLOCATORS = {"glibc": {"heap_mmap_threshold_bytes": None}, "trim": {"heap_mmap_threshold_bytes": None}, "fixed": {"heap_mmap_threshold_bytes": 1 << 20}}
 
 
 class _MallInfo2(ctypes.Structure):
