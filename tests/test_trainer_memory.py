@@ -94,3 +94,28 @@ def test_malloc_stats_reads_glibc():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) >= 64 << 20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc/self/status and clear_refs")
+def test_resident_memory_and_its_peak_follow_a_real_allocation():
+    # in a fresh interpreter: 300 MB written (so resident, not lazily mapped), freed, then the peak reset
+    code = ("import json\n"
+            "from trainer.memory import reset_peak_resident, resident_memory\n"
+            "assert reset_peak_resident()\n"
+            "rss0, _ = resident_memory()\n"
+            "block = b'x' * 300_000_000\n"
+            "rss1, peak1 = resident_memory()\n"
+            "del block\n"
+            "rss2, peak2 = resident_memory()\n"
+            "reset_peak_resident()\n"
+            "rss3, peak3 = resident_memory()\n"
+            "print(json.dumps([rss0, rss1, peak1, rss2, peak2, rss3, peak3]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rss0, rss1, peak1, rss2, peak2, rss3, peak3 = json.loads(proc.stdout.splitlines()[-1])
+    # the kernel folds per-thread page counts into VmHWM lazily: a few MB of slack
+    slack = 0.01
+    assert rss1 - rss0 >= 0.29 and peak1 >= rss1 - slack   # the block is resident and in the peak
+    assert rss2 < rss1 - 0.25 and peak2 >= rss1 - slack    # freed (its own mapping): gone, the peak stays
+    assert peak3 < peak2 - 0.25 and peak3 >= rss3 - slack  # the reset brings the peak down to now

@@ -6,8 +6,9 @@
 Rank 0 asks the batch source for the next batch and broadcasts it (with a stop flag) to the
 other ranks; every rank runs the same phases. The learning-rate schedule lives here
 (:func:`trainer.engine.lr_at` of the optimizer step). Each step's metrics (losses, ratios,
-advantage and reward stats, staleness histogram, tokens, grad norm, lr and the seconds of each
-phase) go to a callback, to ``<run_dir>/metrics/trainer.jsonl`` and to Prometheus
+advantage and reward stats, staleness histogram, tokens, grad norm, lr, the seconds of each
+phase, and on Linux the process's resident memory at the step's end and its peak within the
+step, ``memory_resident_gb`` and ``memory_peak_resident_gb``) go to a callback, to ``<run_dir>/metrics/trainer.jsonl`` and to Prometheus
 (:class:`asyncrl.metrics.TrainerMetrics`) on rank 0.
 
 Batch sources (rank 0 only) satisfy :class:`trainer.batch.BatchSource`:
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.memory import reset_peak_resident, resident_memory
 from trainer.sources import FileBatchSource, ListBatchSource
 
 __all__ = ["PhaseTimer", "LoopResult", "train_loop", "install_signal_handlers", "ListBatchSource", "FileBatchSource"]
@@ -176,6 +178,7 @@ def train_loop(
                 break
             step_metrics: dict[str, float] = {}
             per_minibatch: list[dict[str, float]] = []
+            peak_reset = reset_peak_resident()  # the step's own peak resident memory, below
             with timer.phase("forward_backward"):
                 plan = trainer.begin_step(groups)
             for mb in plan.minibatches:
@@ -197,6 +200,11 @@ def train_loop(
             record: dict[str, float] = {}
             if trainer.rank == 0:
                 record = {"step": float(trainer.step), **plan.metrics, **step_metrics}
+                memory = resident_memory()
+                if memory is not None:  # what the kernel's OOM killer weighs (trainer/memory.py)
+                    record["memory_resident_gb"] = memory[0]
+                    if peak_reset:
+                        record["memory_peak_resident_gb"] = memory[1]
             if trainer.step % cfg.trainer.checkpoint_interval == 0 or stop.is_set() or trainer.step >= cfg.run.total_steps:
                 with timer.phase("checkpoint"):
                     # the record so far goes into the checkpoint: a kill between the checkpoint and

@@ -470,6 +470,9 @@ class Trainer(WeightPublishing, TrainerCheckpoints):
                 sums["loss"] += float(loss.detach())
                 sums["processed_tokens"] += packed.num_tokens if indices is not None else 0
                 imp_max = max(imp_max, part["imp_weight_max"])
+                # this micro-batch's logits (T x vocab, 0.8 GB at 4,096 response tokens) and the
+                # rest would otherwise live on through the next micro-batch's forward pass
+                del packed, logits, logprobs, entropy, loss, inputs, prox_t, weight
         total = dict(zip(_SUM_KEYS, self._all_reduce([sums[k] for k in _SUM_KEYS])))
         imp_max = self._all_reduce([imp_max], op="max")[0]
         tok = max(total["tokens"], 1.0)
