@@ -92,7 +92,7 @@ STEP_FIELDS = ("reward/mean", "reward/std", "train/behaviour_kl", "train/importa
                "train/entropy", "train/grad_norm", "train/advantage_std", "train/response_tokens", "train/samples",
                "staleness/mean", "staleness/max", "time/step_seconds", "time/wait_batch_seconds",
                "time/publish_seconds", "train/publish_bytes", "time/forward_backward_seconds",
-               "time/optim_step_seconds", "train/processed_tokens")
+               "time/optim_step_seconds", "train/processed_tokens", "train/memory_peak_resident_gb")
 
 #: A run whose trainer cost per processed token is at least this many times its arm's cheapest run's
 #: is flagged under the costs table: same code, same settings, so the machine was slower (or shared).
@@ -103,7 +103,8 @@ SLOW_MACHINE_FACTOR = 1.5
 BOOK_FIELDS = ("buffer/finished_groups", "buffer/zero_variance_groups", "buffer/zero_variance_share",
                "buffer/restarts", "buffer/drops", "buffer/skipped_prompts", "buffer/dataset_cursor",
                "buffer/skipped_zero_variance_predicted", "buffer/predicted_skips_easy",
-               "buffer/predicted_skips_hard", "buffer/appended_tokens", "buffer/restart_discarded_tokens")
+               "buffer/predicted_skips_hard", "buffer/appended_tokens", "buffer/restart_discarded_tokens",
+               "supervisor/restarts")
 
 #: The group books kept per step (the controller's last record of each step), for the share of
 #: useful groups over a window of steps (:func:`group_shares`).
@@ -384,10 +385,13 @@ def read_run(run_dir: Path) -> dict:
 
     Returns:
         ``{"curve": [{minutes, step, accuracy, ci95_low, ci95_high, eval_seconds}], "steps": [{step, minutes,
-        <STEP_FIELDS>}], "train_minutes", "final_step", "books", "groups", "idle"}`` (minutes of
-        training wall time, evaluation excluded; ``eval_seconds``: the evaluation's own wall seconds,
-        where the controller recorded them; ``books``: the controller's last value of each
-        :data:`BOOK_FIELDS`; ``groups``: ``[{step, <GROUP_FIELDS>}]``, the controller's last record of
+        <STEP_FIELDS>}], "train_minutes", "final_step", "books", "replayed_steps", "groups", "idle"}``
+        and, where the trainer recorded its memory, ``trainer_peak_gb`` (the largest per-step peak of
+        every attempt, replaced ones included)
+        (minutes of training wall time, evaluation excluded; ``eval_seconds``: the evaluation's own wall
+        seconds, where the controller recorded them; ``steps``: one record per step, the last one where a
+        restarted trainer trained steps again from its checkpoint, ``replayed_steps`` counting the
+        attempts so replaced; ``books``: the controller's last value of each :data:`BOOK_FIELDS`; ``groups``: ``[{step, <GROUP_FIELDS>}]``, the controller's last record of
         each step that has them (running totals); ``idle``: role -> mean of its ``idle_ratio/<role>`` records, a share in
         [0, 1] of the wall time the role waited, from the controller's records, or the trainer's own
         when the controller has none for it).
@@ -412,6 +416,7 @@ def read_run(run_dir: Path) -> dict:
                           "ci95_high": rec["eval/ci95_high"],
                           **({"eval_seconds": rec["eval/eval_seconds"]} if "eval/eval_seconds" in rec else {})})
     trainer = run_dir / "metrics-trainer.jsonl"
+    replayed, peak = 0, None
     if trainer.exists():
         for line in trainer.read_text().splitlines():
             rec = json.loads(line) if line.strip() else {}
@@ -419,6 +424,13 @@ def read_run(run_dir: Path) -> dict:
                 continue
             row = {"step": rec["step"], "minutes": rec.get("wall_seconds", 0.0) / 60.0}
             row.update({k: rec[k] for k in STEP_FIELDS if k in rec})
+            # a trainer restarted from its last checkpoint trains the steps after it again: the
+            # replay's record replaces the lost attempt's (whose weights the run no longer has)
+            if "train/memory_peak_resident_gb" in row:  # over every attempt: what the machine had to hold
+                peak = max(peak or 0.0, row["train/memory_peak_resident_gb"])
+            while steps and steps[-1]["step"] >= row["step"]:
+                steps.pop()
+                replayed += 1
             steps.append(row)
             if "idle_ratio/trainer" in rec and "trainer" not in idle:  # the controller's records lack it
                 idle.setdefault("trainer_records", []).append(float(rec["idle_ratio/trainer"]))
@@ -426,7 +438,8 @@ def read_run(run_dir: Path) -> dict:
         idle.setdefault("trainer", idle.pop("trainer_records"))
     train_minutes = max(last_wall / 60.0, steps[-1]["minutes"] if steps else 0.0)
     return {"curve": curve, "steps": steps, "train_minutes": train_minutes,
-            "final_step": steps[-1]["step"] if steps else 0, "books": books,
+            "final_step": steps[-1]["step"] if steps else 0, "books": books, "replayed_steps": replayed,
+            **({"trainer_peak_gb": peak} if peak is not None else {}),
             "groups": [groups[k] for k in sorted(groups)],
             "idle": {role: _mean(v) for role, v in sorted(idle.items()) if v}}
 
@@ -759,6 +772,10 @@ def run_costs(run: dict) -> dict:
         optimizer seconds per processed token (prompt and response tokens of the batch), in
         milliseconds; ``machine_before`` and ``machine_after``: the plain decode loop's tokens/s
         measured just before and just after the run (:func:`machine_probe`, with ``--machine_probe``);
+        ``trainer_peak_gb``: the largest of the trainer's per-step peak resident memory (recorded since
+        2026-12-01); ``role_restarts``: the roles the controller's supervisor restarted in the run
+        (a kill by the kernel's OOM killer is one), with ``replayed_steps``, the steps a restarted
+        trainer trained again from its checkpoint (their time is in the run's);
         ``base_eval_seconds``: the wall seconds of the run's step-0 evaluation. That evaluation samples
         the base model on the same problems with the run's seed, so for one seed it is the same work
         in every arm (the same tokens): a free reading of the machine's speed as each run started.
@@ -789,7 +806,13 @@ def run_costs(run: dict) -> dict:
     for key in ("machine_before", "machine_after"):
         if (run.get(key) or {}).get("tokens_per_second") is not None:
             out[key] = run[key]["tokens_per_second"]
+    peaks = [s["train/memory_peak_resident_gb"] for s in steps if "train/memory_peak_resident_gb" in s]
+    if run.get("trainer_peak_gb") is not None or peaks:
+        out["trainer_peak_gb"] = max([*peaks, *([run["trainer_peak_gb"]] if run.get("trainer_peak_gb") is not None else [])])
     books = run.get("books", {})
+    if "supervisor/restarts" in books:
+        out["role_restarts"] = int(books["supervisor/restarts"])
+        out["replayed_steps"] = int(run.get("replayed_steps", 0))
     appended = books.get("buffer/appended_tokens")
     trained = [s["train/response_tokens"] for s in steps if "train/response_tokens" in s]
     if appended:
@@ -842,11 +865,15 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
     speed = any("trainer_ms_per_token" in c for _, c in rows)
     probe = any("machine_before" in c or "machine_after" in c for _, c in rows)
     base_eval = any("base_eval_seconds" in c for _, c in rows)
+    memory = any("trainer_peak_gb" in c for _, c in rows)
+    restarts = any(c.get("role_restarts") for _, c in rows)
     fmt = lambda c, k, f: "—" if k not in c else format(c[k], f)  # noqa: E731
     head = (["run", "s per step"] + (["trainer ms per token"] if speed else []) + [f"idle {role}" for role in roles]
             + ["publish s per step", "publish MB per step"]
             + (["step-0 eval s"] if base_eval else [])
             + (["machine tok/s before / after"] if probe else [])
+            + (["trainer peak GB"] if memory else [])
+            + (["role restarts (steps replayed)"] if restarts else [])
             + (["appended tokens", "trained tokens", "discarded by restarts", "never trained"] if books else []))
     lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, c in rows:
@@ -857,6 +884,8 @@ def run_costs_markdown(report: dict, arms: Sequence[str]) -> list[str]:
                  + [fmt(c, "publish_seconds", ".2f"), fmt(c, "publish_megabytes", ".1f")]
                  + ([fmt(c, "base_eval_seconds", ".0f")] if base_eval else [])
                  + ([f"{fmt(c, 'machine_before', '.1f')} / {fmt(c, 'machine_after', '.1f')}"] if probe else [])
+                 + ([fmt(c, "trainer_peak_gb", ".1f")] if memory else [])
+                 + ([f"{c['role_restarts']} ({c['replayed_steps']})" if "role_restarts" in c else "—"] if restarts else [])
                  + ([fmt(c, "appended_tokens", ","), fmt(c, "trained_tokens", ","),
                      fmt(c, "restart_discarded_share", ".1%"), fmt(c, "untrained_share", ".1%")] if books else []))
         lines.append("| " + " | ".join(cells) + " |")

@@ -356,6 +356,39 @@ def test_read_run_from_a_run_directory(ms, tmp_path):
     assert "| step-0 eval s |" in lines[1] and "| 304 |" in lines[3]
 
 
+def test_read_run_after_a_trainer_restart_keeps_the_replayed_steps(ms, tmp_path):
+    """A trainer killed after step 4 (checkpoint at step 2) trains steps 3 and 4 again: each step is
+    counted once, from the replay, and the costs table shows the restart and the trainer's peak memory."""
+    run = tmp_path / "eta4-s2"
+    run.mkdir()
+    ctl = [{"step": 0, "wall_seconds": 0.0, "eval/accuracy_sampled": 0.1, "eval/ci95_low": 0.05, "eval/ci95_high": 0.2},
+           {"step": 4, "wall_seconds": 50.0, "buffer/appended_tokens": 1000, "supervisor/restarts": 0},
+           {"step": 5, "wall_seconds": 90.0, "supervisor/restarts": 1, "idle_ratio/rollout-0": 0.0}]
+    (run / "metrics-controller.jsonl").write_text("\n".join(json.dumps(r) for r in ctl) + "\n")
+    tokens = {1: 100, 2: 100, 3: 900, 4: 950}  # the lost attempts of steps 3 and 4 (long answers)
+    tr = [{"step": s, "wall_seconds": 10.0 * s, "reward/mean": 0.5, "train/response_tokens": tokens[s],
+           "train/memory_peak_resident_gb": 4.0 + s} for s in (1, 2, 3, 4)]
+    tr += [{"step": s, "wall_seconds": 50.0 + 10.0 * s, "reward/mean": 0.6, "train/response_tokens": 200,
+            "train/memory_peak_resident_gb": 5.0} for s in (3, 4, 5)]
+    (run / "metrics-trainer.jsonl").write_text("\n".join(json.dumps(r) for r in tr) + "\n")
+    rec = ms.read_run(run)
+    assert [s["step"] for s in rec["steps"]] == [1, 2, 3, 4, 5] and rec["replayed_steps"] == 2
+    assert [s["reward/mean"] for s in rec["steps"]] == [0.5, 0.5, 0.6, 0.6, 0.6]
+    assert rec["books"]["supervisor/restarts"] == 1
+    c = ms.run_costs(rec)
+    assert c["trained_tokens"] == 800 and c["untrained_share"] == pytest.approx(0.2)  # not 2,450 and 0
+    assert c["role_restarts"] == 1 and c["replayed_steps"] == 2
+    assert c["trainer_peak_gb"] == 8.0  # the lost attempt's peak counts: it is what the machine had to hold
+    other = {**{k: v for k, v in rec.items() if k not in ("trainer_peak_gb", "replayed_steps")}, "seed": 1,
+             "steps": [{"step": 1, "reward/mean": 0.5}], "books": {"supervisor/restarts": 0}}
+    lines = ms.run_costs_markdown({"runs": [{**rec, "arm": "eta4", "seed": 2}, {**other, "arm": "eta4"}]}, ["eta4"])
+    assert "| trainer peak GB | role restarts (steps replayed) |" in lines[1]
+    assert "| 8.0 | 1 (2) |" in lines[4] and "| — | 0 (0) |" in lines[3]
+    # without any restart the column is left out
+    lines = ms.run_costs_markdown({"runs": [{**other, "arm": "eta4"}]}, ["eta4"])
+    assert "role restarts" not in lines[1]
+
+
 def test_read_run_idle_ratios_and_reread(ms, tmp_path):
     run = tmp_path / "async-s1"
     run.mkdir()
