@@ -810,8 +810,10 @@ def run_costs(run: dict) -> dict:
     if run.get("trainer_peak_gb") is not None or peaks:
         out["trainer_peak_gb"] = max([*peaks, *([run["trainer_peak_gb"]] if run.get("trainer_peak_gb") is not None else [])])
     books = run.get("books", {})
-    if "supervisor/restarts" in books:
-        out["role_restarts"] = int(books["supervisor/restarts"])
+    if "supervisor/restarts" in books or "replayed_steps" in run:
+        # the controller records the count when a restart happens: none recorded in a run read
+        # by this version of read_run is none made
+        out["role_restarts"] = int(books.get("supervisor/restarts", 0))
         out["replayed_steps"] = int(run.get("replayed_steps", 0))
     appended = books.get("buffer/appended_tokens")
     trained = [s["train/response_tokens"] for s in steps if "train/response_tokens" in s]

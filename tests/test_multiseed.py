@@ -384,9 +384,13 @@ def test_read_run_after_a_trainer_restart_keeps_the_replayed_steps(ms, tmp_path)
     lines = ms.run_costs_markdown({"runs": [{**rec, "arm": "eta4", "seed": 2}, {**other, "arm": "eta4"}]}, ["eta4"])
     assert "| trainer peak GB | role restarts (steps replayed) |" in lines[1]
     assert "| 8.0 | 1 (2) |" in lines[4] and "| — | 0 (0) |" in lines[3]
-    # without any restart the column is left out
+    # without any restart the column is left out; a run read from its directory without a restart
+    # record had none, one recorded before this reading has no count
     lines = ms.run_costs_markdown({"runs": [{**other, "arm": "eta4"}]}, ["eta4"])
     assert "role restarts" not in lines[1]
+    assert ms.run_costs({**other, "books": {}, "replayed_steps": 0})["role_restarts"] == 0
+    legacy = {k: v for k, v in other.items() if k != "books"}  # no books, no replay count
+    assert "role_restarts" not in ms.run_costs(legacy)
 
 
 def test_read_run_idle_ratios_and_reread(ms, tmp_path):
