@@ -173,7 +173,7 @@ class TrainerConfig(_Section):
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass."""
     heap_mmap_threshold_bytes: int | None = Field(None, ge=4096, le=32 << 20)
-    """On glibc, host allocations of at least this many bytes get their own mapping, unmapped when freed (``mallopt(M_MMAP_THRESHOLD)``, trainer/memory.py): a step's freed activations go back to the system instead of staying in malloc's heap for the rest of the run. None (the default until its cost in page faults is measured): glibc's dynamic threshold (the heap keeps a step's high-water mark; docs/trainer.md#lora). 1048576 (1 MiB) is the value the LoRA breakdown suggests."""
+    """On glibc, host allocations of at least this many bytes get their own mapping, unmapped when freed (``mallopt(M_MMAP_THRESHOLD)``, trainer/memory.py): a step's freed activations go back to the system instead of staying in malloc's heap for the rest of the run. None (the default): glibc's dynamic threshold (the heap keeps a step's high-water mark; docs/trainer.md#lora). 1048576 (1 MiB) gave back the 5.6 GB the heap held free between long-tail steps but made the steps 23-27% slower (page faults; docs/trainer.md, "Memory per step", one reading)."""
     checkpoint_interval: int = Field(10, ge=1)
     """Save a checkpoint (and commit the buffer) every this many steps."""
     batch_wait_seconds: float = Field(3600.0, ge=1.0, le=604800.0)
