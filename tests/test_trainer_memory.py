@@ -82,6 +82,14 @@ def test_threshold_out_of_range_is_refused():
     assert load_config([], environ={}).trainer.heap_mmap_threshold_bytes is None
 
 
+def _fresh_interpreter(code: str) -> str:
+    """Run ``code`` in a new Python process (this repo importable); its stdout. Fails on a non-zero exit."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 @glibc_only
 def test_malloc_stats_reads_glibc():
     # in a fresh interpreter: in a long-lived one (the whole suite) the heap may hold a free chunk of
@@ -90,10 +98,7 @@ def test_malloc_stats_reads_glibc():
             "before = malloc_stats().hblkhd\n"
             "block = bytearray(64 << 20)  # above any threshold glibc allows: a mapping in a fresh heap\n"
             "print(malloc_stats().hblkhd - before)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert int(proc.stdout.split()[-1]) >= 64 << 20
+    assert int(_fresh_interpreter(code).split()[-1]) >= 64 << 20
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc/self/status and clear_refs")
@@ -110,10 +115,7 @@ def test_resident_memory_and_its_peak_follow_a_real_allocation():
             "reset_peak_resident()\n"
             "rss3, peak3 = resident_memory()\n"
             "print(json.dumps([rss0, rss1, peak1, rss2, peak2, rss3, peak3]))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rss0, rss1, peak1, rss2, peak2, rss3, peak3 = json.loads(proc.stdout.splitlines()[-1])
+    rss0, rss1, peak1, rss2, peak2, rss3, peak3 = json.loads(_fresh_interpreter(code).splitlines()[-1])
     # the kernel folds per-thread page counts into VmHWM lazily: a few MB of slack
     slack = 0.01
     assert rss1 - rss0 >= 0.29 and peak1 >= rss1 - slack   # the block is resident and in the peak
