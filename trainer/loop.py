@@ -7,9 +7,10 @@ Rank 0 asks the batch source for the next batch and broadcasts it (with a stop f
 other ranks; every rank runs the same phases. The learning-rate schedule lives here
 (:func:`trainer.engine.lr_at` of the optimizer step). Each step's metrics (losses, ratios,
 advantage and reward stats, staleness histogram, tokens, grad norm, lr, the seconds of each
-phase, and on Linux the process's resident memory at the step's end and its peak within the
-step, ``memory_resident_gb`` and ``memory_peak_resident_gb``) go to a callback, to ``<run_dir>/metrics/trainer.jsonl`` and to Prometheus
-(:class:`asyncrl.metrics.TrainerMetrics`) on rank 0.
+phase, and on Linux the process's resident memory after the publish and its peak within the
+step, ``memory_resident_gb`` and ``memory_peak_resident_gb``) go to a callback, to
+``<run_dir>/metrics/trainer.jsonl`` and to Prometheus (:class:`asyncrl.metrics.TrainerMetrics`)
+on rank 0.
 
 Batch sources (rank 0 only) satisfy :class:`trainer.batch.BatchSource`:
 ``next_batch(step)`` (plain or async; ``step`` is the 1-based number of the step about to be
