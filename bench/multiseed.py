@@ -385,13 +385,14 @@ def read_run(run_dir: Path) -> dict:
 
     Returns:
         ``{"curve": [{minutes, step, accuracy, ci95_low, ci95_high, eval_seconds}], "steps": [{step, minutes,
-        <STEP_FIELDS>}], "train_minutes", "final_step", "books", "replayed_steps", "groups", "idle"}``
-        and, where the trainer recorded its memory, ``trainer_peak_gb`` (the largest per-step peak of
-        every attempt, replaced ones included)
-        (minutes of training wall time, evaluation excluded; ``eval_seconds``: the evaluation's own wall
-        seconds, where the controller recorded them; ``steps``: one record per step, the last one where a
-        restarted trainer trained steps again from its checkpoint, ``replayed_steps`` counting the
-        attempts so replaced; ``books``: the controller's last value of each :data:`BOOK_FIELDS`; ``groups``: ``[{step, <GROUP_FIELDS>}]``, the controller's last record of
+        <STEP_FIELDS>}], "train_minutes", "final_step", "books", "replayed_steps", "groups", "idle"}``,
+        plus ``trainer_peak_gb`` where the trainer recorded its memory (minutes of training wall time,
+        evaluation excluded; ``eval_seconds``: the evaluation's own wall seconds, where the controller
+        recorded them; ``steps``: one record per step, the last one where a restarted trainer trained
+        steps again from its checkpoint, ``replayed_steps`` counting the attempts so replaced;
+        ``trainer_peak_gb``: the largest per-step peak resident memory of every attempt, replaced ones
+        included; ``books``: the controller's last value of each :data:`BOOK_FIELDS`;
+        ``groups``: ``[{step, <GROUP_FIELDS>}]``, the controller's last record of
         each step that has them (running totals); ``idle``: role -> mean of its ``idle_ratio/<role>`` records, a share in
         [0, 1] of the wall time the role waited, from the controller's records, or the trainer's own
         when the controller has none for it).
@@ -424,10 +425,10 @@ def read_run(run_dir: Path) -> dict:
                 continue
             row = {"step": rec["step"], "minutes": rec.get("wall_seconds", 0.0) / 60.0}
             row.update({k: rec[k] for k in STEP_FIELDS if k in rec})
-            # a trainer restarted from its last checkpoint trains the steps after it again: the
-            # replay's record replaces the lost attempt's (whose weights the run no longer has)
             if "train/memory_peak_resident_gb" in row:  # over every attempt: what the machine had to hold
                 peak = max(peak or 0.0, row["train/memory_peak_resident_gb"])
+            # a trainer restarted from its last checkpoint trains the steps after it again: the
+            # replay's record replaces the lost attempt's (whose weights the run no longer has)
             while steps and steps[-1]["step"] >= row["step"]:
                 steps.pop()
                 replayed += 1
@@ -806,9 +807,8 @@ def run_costs(run: dict) -> dict:
     for key in ("machine_before", "machine_after"):
         if (run.get(key) or {}).get("tokens_per_second") is not None:
             out[key] = run[key]["tokens_per_second"]
-    peaks = [s["train/memory_peak_resident_gb"] for s in steps if "train/memory_peak_resident_gb" in s]
-    if run.get("trainer_peak_gb") is not None or peaks:
-        out["trainer_peak_gb"] = max([*peaks, *([run["trainer_peak_gb"]] if run.get("trainer_peak_gb") is not None else [])])
+    if run.get("trainer_peak_gb") is not None:  # read_run's, over every attempt of every step
+        out["trainer_peak_gb"] = run["trainer_peak_gb"]
     books = run.get("books", {})
     if "supervisor/restarts" in books or "replayed_steps" in run:
         # the controller records the count when a restart happens: none recorded in a run read

@@ -53,16 +53,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from trainer.memory import malloc_stats, reset_peak_resident, resident_memory  # noqa: E402
+
 GB = 1e9
 ARMS = {"full": {}, "lora": {"trainer": {"lora": {"rank": 16, "alpha": 32}}}}
 #: allocator setting -> trainer config overrides
 ALLOCATORS = {"glibc": {"heap_mmap_threshold_bytes": None}, "trim": {"heap_mmap_threshold_bytes": None}, "fixed": {"heap_mmap_threshold_bytes": 1 << 20}}
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
 
 
 class Probe:
@@ -72,36 +68,23 @@ class Probe:
         import psutil
 
         self.proc = psutil.Process()
-        self.libc = ctypes.CDLL("libc.so.6")
-        self.libc.mallinfo2.restype = _MallInfo2
+        self.libc = ctypes.CDLL("libc.so.6")  # malloc_trim
         self.trim = trim
         self.stages: list[dict] = []
         self._t = time.perf_counter()
-        self._reset_peak()
-
-    def _reset_peak(self) -> None:
-        with open("/proc/self/clear_refs", "w") as fh:  # "5": reset the peak RSS (proc(5))
-            fh.write("5")
-
-    @staticmethod
-    def _hwm() -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        reset_peak_resident()
 
     def mark(self, stage: str, **extra: float) -> None:
         """Record ``stage`` (just finished): RSS now, peak RSS since the previous mark, malloc's bytes."""
-        peak = self._hwm()
-        mi = self.libc.mallinfo2()
-        row = {"stage": stage, "rss_gb": self.proc.memory_info().rss / GB, "peak_rss_gb": peak / GB,
+        mi = malloc_stats()
+        row = {"stage": stage, "rss_gb": self.proc.memory_info().rss / GB, "peak_rss_gb": resident_memory()[1],
                "malloc_in_use_gb": (mi.uordblks + mi.hblkhd) / GB, "malloc_free_held_gb": mi.fordblks / GB,
                "malloc_mmapped_gb": mi.hblkhd / GB, "seconds": time.perf_counter() - self._t, **extra}
         if self.trim:
             self.libc.malloc_trim(0)
             row["rss_after_trim_gb"] = self.proc.memory_info().rss / GB
         self.stages.append(row)
-        self._reset_peak()
+        reset_peak_resident()
         self._t = time.perf_counter()
 
 

@@ -179,7 +179,7 @@ def train_loop(
                 break
             step_metrics: dict[str, float] = {}
             per_minibatch: list[dict[str, float]] = []
-            peak_reset = reset_peak_resident()  # the step's own peak resident memory, below
+            peak_reset = trainer.rank == 0 and reset_peak_resident()  # the step's own peak, recorded below
             with timer.phase("forward_backward"):
                 plan = trainer.begin_step(groups)
             for mb in plan.minibatches:
