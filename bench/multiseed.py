@@ -50,7 +50,8 @@ Arms: the built-in ones of :data:`ARMS` (flags added to ``asyncrl train --config
 configs/smollm2_arith.yaml``), ``trl`` (TRL's GRPOTrainer, needs ``trl`` importable: see
 bench/trl_compare.py; beside asyncrl's own transformers, accelerate and datasets,
 ``pip install --no-deps --target DIR trl`` and ``PYTHONPATH=DIR`` make it importable; it saves a
-snapshot every ``--trl_save_every`` training seconds and evaluates each after training), and any
+snapshot every ``--trl_save_every`` training seconds and evaluates each after training; ``--arm
+trl="--data.reward R"`` gives it ``--data.*`` overrides, the only ones it reads), and any
 ``--arm NAME="FLAGS"``.
 """
 
@@ -493,15 +494,16 @@ def prune_run_dir(run_dir: Path) -> int:
 
 def run_trl_seed(out_dir: Path, seed: int, settings: dict) -> dict:
     """TRL's GRPOTrainer (bench/trl_compare.py) for ``settings["minutes"]`` with ``seed``, on the
-    comparison's config (its model, task, prompts, reward and knobs), snapshotting every
-    ``settings["save_every"]`` training seconds (``--trl_save_every``)."""
+    comparison's config (its model, task, prompts, reward and knobs) with the arm's ``--data.*``
+    overrides (``settings["overrides"]``), snapshotting every ``settings["save_every"]`` training
+    seconds (``--trl_save_every``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from trl_compare import run_trl  # needs trl importable
 
     save_every = settings["save_every"]
     curve, summary = run_trl(out_dir / f"trl-s{seed}", settings["minutes"] * 60.0, save_every,
                              settings.get("threads", 2), settings["num_problems"], seed=seed,
-                             config=ROOT / settings["config"])
+                             config=ROOT / settings["config"], overrides=settings.get("overrides", ()))
     return {"curve": curve, "steps": [], "train_minutes": summary["wall_seconds"] / 60.0,
             "final_step": summary["steps"], "save_every_seconds": save_every}
 
@@ -939,10 +941,15 @@ def config_digest(path: str | Path) -> str:
 
 
 def parse_arms(names: str, custom: Sequence[str]) -> dict[str, list[str] | None]:
-    """``--arms`` and ``--arm NAME=FLAGS`` -> arm name -> flags (None for ``trl``).
+    """``--arms`` and ``--arm NAME=FLAGS`` -> arm name -> flags (None for ``trl`` as it is built in).
+
+    ``--arm trl=FLAGS`` gives TRL's arm config overrides, and only ``--data.*`` ones (e.g.
+    ``--data.reward chain_partial_matched``): TRL's GRPOTrainer takes its task, prompts and reward
+    from the config (bench/trl_compare.py), while asyncrl's rollout, buffer and trainer knobs have
+    no meaning for it, so a flag it would silently ignore is refused.
 
     Raises:
-        ValueError: an unknown arm name or a malformed ``--arm``.
+        ValueError: an unknown arm name, a malformed ``--arm``, or a ``trl`` flag outside ``--data.``.
     """
     defined: dict[str, list[str] | None] = {k: list(v) for k, v in ARMS.items()}
     defined["trl"] = None
@@ -950,7 +957,14 @@ def parse_arms(names: str, custom: Sequence[str]) -> dict[str, list[str] | None]
         name, sep, flags = spec.partition("=")
         if not sep or not name.strip() or not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"--arm wants NAME=FLAGS with a plain name, got {spec!r}")
-        defined[name.strip()] = shlex.split(flags)
+        tokens = shlex.split(flags)
+        if name.strip() == "trl":
+            foreign = [t for t in tokens if t.startswith("-") and not t.startswith("--data.")]
+            if foreign:
+                raise ValueError(f"the trl arm takes only --data.* overrides (TRL reads the task, prompts and reward "
+                                 f"from the config; asyncrl's rollout and trainer knobs do not apply to it), "
+                                 f"got {', '.join(foreign)}")
+        defined[name.strip()] = tokens
     out = {}
     for n in (x.strip() for x in names.split(",") if x.strip()):
         if n not in defined:
@@ -1031,7 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
         if a not in report["arms"]:
             report["arms"].append(a)
         prev = report["arm_flags"].get(a)
-        if prev is not None and prev != arms[a]:
+        if a in report["arm_flags"] and (prev or []) != (arms[a] or []):
             ap.error(f"arm {a!r} is recorded with flags {prev}, not {arms[a]}: give the new arm another name")
         report["arm_flags"][a] = arms[a]
     done = {(r["arm"], r["seed"]) for r in report["runs"]}
@@ -1051,8 +1065,8 @@ def main(argv: list[str] | None = None) -> int:
         if probes:
             print(f"multiseed: machine before: {probes['machine_before']}", flush=True)
         t0 = time.perf_counter()
-        if arms[arm] is None:
-            rec = run_trl_seed(out_dir, seed, run_settings)
+        if arm == "trl":
+            rec = run_trl_seed(out_dir, seed, {**run_settings, "overrides": arms[arm] or []})
         else:
             rec = run_asyncrl(out_dir, arm, seed, arms[arm], run_settings)
         real_seconds = time.perf_counter() - t0

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from _report import emit  # bench/_report.py (the script's folder is on sys.path)
@@ -71,12 +72,15 @@ def _env() -> dict[str, str]:
 
 
 def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
-            num_problems: int, seed: int = 0, config: Path = CONFIG) -> tuple[list[dict], dict]:
+            num_problems: int, seed: int = 0, config: Path = CONFIG,
+            overrides: Sequence[str] = ()) -> tuple[list[dict], dict]:
     """TRL GRPOTrainer for ``seconds`` of training (``seed``: TRL's seed, i.e. its sampling and
     initialisation; the prompt stream is asyncrl's, fixed by ``data.seed``) on ``config``'s model,
     task, prompts (chat template and any assistant prefill included, as asyncrl renders them),
     reward (``data.reward``, with the prefill in front of the completion as asyncrl's reward sees
-    it), response cap, learning rate and group shape.
+    it), response cap, learning rate and group shape. ``overrides``: config flags applied on top of
+    ``config`` as ``asyncrl train`` applies them (bench/multiseed.py passes only ``--data.*`` ones);
+    the held-out evaluation scores correctness whatever the training reward.
 
     Returns (curve, summary): [{minutes, step, accuracy, ci95_low, ci95_high}] (minute 0 is the
     base model) and {steps, wall_seconds, seconds_per_step}.
@@ -92,7 +96,7 @@ def run_trl(out_dir: Path, seconds: float, save_every: float, threads: int,
     from asyncrl.tasks.tasks import TrainPromptStream
 
     torch.set_num_threads(threads)
-    cfg = load_config(["--config", str(config)], environ={})
+    cfg = load_config(["--config", str(config), *overrides], environ={})
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stream = TrainPromptStream(cfg.data, tokenizer, seed=cfg.data.seed)

@@ -88,6 +88,11 @@ def test_parse_arms(ms):
     arms = ms.parse_arms("async,sync,abort,trl", ["abort=--rollout.pause_mode abort"])
     assert arms["async"] == [] and arms["sync"] == ms.SYNC_ARGS and arms["trl"] is None
     assert arms["abort"] == ["--rollout.pause_mode", "abort"]
+    # TRL's arm takes the config's task and reward: only --data.* overrides, which it reads
+    assert ms.parse_arms("trl", ["trl=--data.reward chain_partial_matched"])["trl"] == [
+        "--data.reward", "chain_partial_matched"]
+    with pytest.raises(ValueError, match="only --data.* overrides.*--max_staleness"):
+        ms.parse_arms("trl", ["trl=--data.reward chain_partial_matched --max_staleness 4"])
     with pytest.raises(ValueError, match="unknown arm 'nope'"):
         ms.parse_arms("async,nope", [])
     with pytest.raises(ValueError, match="NAME=FLAGS"):
@@ -313,6 +318,19 @@ def test_the_trl_arm_gets_its_snapshot_spacing(ms, tmp_path, capsys, monkeypatch
     report = json.loads(path.read_text())
     assert report["runs"][0]["save_every_seconds"] == 360.0
     assert "save_every" not in report["settings"]  # a spacing is per run: it does not split the comparison's JSON
+    # the arm's --data.* overrides reach run_trl; a JSON holding plain trl runs refuses trl with overrides
+    seen.clear()
+    monkeypatch.setattr(ms, "run_trl_seed", lambda out_dir, seed, settings: (
+        seen.append(settings["overrides"]), fake_trl_seed(out_dir, seed, settings))[1])
+    with pytest.raises(SystemExit):
+        ms.main(["--arms", "trl", "--arm", "trl=--data.reward chain_partial_matched", "--seeds", "2",
+                 "--minutes", "30", "--json", str(path), "--out_dir", str(tmp_path / "runs")])
+    assert "another name" in capsys.readouterr().err and seen == []
+    path2 = tmp_path / "r2.json"
+    assert ms.main(["--arms", "trl", "--arm", "trl=--data.reward chain_partial_matched", "--seeds", "1",
+                    "--minutes", "30", "--json", str(path2), "--out_dir", str(tmp_path / "runs2")]) == 0
+    assert seen[0] == ["--data.reward", "chain_partial_matched"]  # then fake_trl_seed's own record
+    assert json.loads(path2.read_text())["arm_flags"]["trl"] == ["--data.reward", "chain_partial_matched"]
 
 
 def test_no_run_starts_when_an_arm_cannot(ms, tmp_path, capsys, monkeypatch):
