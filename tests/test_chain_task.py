@@ -254,8 +254,9 @@ def test_chain_partial_through_the_scorer_fails_only_its_sample():
     bad = scorer.score("p", "8", {"gold": "8"})
     assert bad.failed and "data.task: chain" in bad.error
     assert scorer.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta).reward == 1.0  # unaffected
-    # the long-tail config ships it (docs/tasks.md: the outcome reward taught 2-step answers only)
-    assert load_config(["--config", str(LONGTAIL)], environ={}).data.reward == "chain_partial"
+    # the long-tail config ships the matched variant (docs/tasks.md: the outcome reward taught 2-step
+    # answers only; plain chain_partial paid a shortcut and adding on, docs/results.md sections O and P)
+    assert load_config(["--config", str(LONGTAIL)], environ={}).data.reward == "chain_partial_matched"
     # the matched variant loads by name too, through the same path
     matched = RewardScorer("chain_partial_matched")
     assert matched.score("p", " 8\n8 + 2 = 10\n10 + 7 = 17\nAnswer: 17", meta).reward == 1.0
