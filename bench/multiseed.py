@@ -590,7 +590,8 @@ def plot(report: dict, path: Path) -> None:
         band = st["band"]  # lined up by step; a timed run's mean is drawn at the seeds' mean minutes
         xs = [b["step"] if key == "step" else b["minutes_mean"] for b in band]
         ax.plot(xs, [b["mean"] for b in band], "o-", color=color, lw=2,
-                label=f"{arm} (mean of {len(st['seeds'])} seeds, min-max shaded)")
+                label=(f"{arm} (mean of {len(st['seeds'])} seeds, min-max shaded)" if len(st["seeds"]) > 1
+                       else f"{arm} (one seed: an anecdote)"))
         ax.fill_between(xs, [b["min"] for b in band], [b["max"] for b in band], color=color, alpha=0.15)
     for level in THRESHOLDS:
         ax.axhline(level, color="gray", lw=0.6, ls=":")
