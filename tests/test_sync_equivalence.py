@@ -477,7 +477,17 @@ def test_synchronous_equivalence_multi_turn_episodes(tmp_path, tiny_model_dir, r
                                            episode_feedback=agent_workflows.FEEDBACK)
     assert_same_steps(records, plain)
     assert sum(abs(r["loss"]) > 1e-4 for r in records) >= 3, [r["loss"] for r in records]
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
     for name, w in plain_weights.items():
         if name == "lm_head.weight" and name not in trainer_weights:
             continue
-        assert float((trainer_weights[name] - w).abs().max()) < 5e-5, name
+        diff = trainer_weights[name] - w
+        moved = trainer_weights[name] - initial[name]
+        # AdamW turns floating-point noise in an element's near-zero gradient into up to +-LR per
+        # step (m/sqrt(v) ~ +-1), so one element can differ by a fraction of LR with the same
+        # math (CI saw 6.7e-5 once, 2026-12-01); a real divergence (another token, loss or
+        # advantage) moves many elements by ~LR, which both bounds below still catch.
+        assert float(diff.abs().max()) < LR / 4, name
+        assert float(diff.norm()) < 1e-2 * max(float(moved.norm()), 1e-12), name
