@@ -359,6 +359,13 @@ def plain_sync_loop(model_dir: Path, prompts: list[list[int]], generated: dict, 
     return records, state
 
 
+def _initial_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tiny model's weights before training (fp32 state dict), to measure how far training moved them."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+
+
 def assert_same_steps(asyncrl: list[dict], plain: list[dict]) -> None:
     """Step by step: same groups, samples, micro-batches and rewards; losses within 1e-4 relative.
 
@@ -402,9 +409,7 @@ def test_synchronous_equivalence(tmp_path, tiny_model_dir, redis_url):
     assert sum(abs(r["loss"]) > 1e-3 for r in records) >= 3, [r["loss"] for r in records]
     # most steps accumulate over several micro-batches (which ones depends on the sampled lengths)
     assert sum(len(r["micro_batches"]) > 1 for r in records) >= 3, [len(r["micro_batches"]) for r in records]
-    from transformers import AutoModelForCausalLM
-
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    initial = _initial_weights(tiny_model_dir)
     moved = max(float((trainer_weights[k] - v).abs().max()) for k, v in initial.items())
     assert moved > 1e-3
     for name, w in plain_weights.items():
@@ -477,9 +482,7 @@ def test_synchronous_equivalence_multi_turn_episodes(tmp_path, tiny_model_dir, r
                                            episode_feedback=agent_workflows.FEEDBACK)
     assert_same_steps(records, plain)
     assert sum(abs(r["loss"]) > 1e-4 for r in records) >= 3, [r["loss"] for r in records]
-    from transformers import AutoModelForCausalLM
-
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    initial = _initial_weights(tiny_model_dir)
     for name, w in plain_weights.items():
         if name == "lm_head.weight" and name not in trainer_weights:
             continue
