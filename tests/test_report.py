@@ -15,8 +15,10 @@ from asyncrl.metrics.tracking import MetricsLogger
 
 
 def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1.0, critic: bool = False,
-             episodes: bool = False):
-    """A 40-step run: accuracy rises 0.1 -> 0.5 over 40 steps taking 30 s / speed each."""
+             episodes: bool = False, trainer_idle: float = 0.3, ages: dict[str, float] | None = None):
+    """A 40-step run: accuracy rises 0.1 -> 0.5 over 40 steps taking 30 s / speed each.
+
+    ``ages``: the trainer's per-step token-age histogram (``{"tokens_1": n, ...}``), logged every step."""
     cfg = load_config(["--max_staleness", str(staleness), "--partial_percent", str(partial),
                        "--max_budget", "32", "--max_response_len", "64"])
     dump_config(cfg, run_dir / "config.yaml")
@@ -26,7 +28,8 @@ def make_run(run_dir, speed: float = 1.0, staleness: int = 2, partial: float = 1
     for step in range(1, 41):
         wall = step * 30.0 / speed
         trainer.log(step, {"reward/mean": 0.1 + 0.01 * step, "staleness/max": min(staleness, step % 3),
-                           "staleness/mean": 0.5, "idle_ratio/trainer": 0.3,
+                           "staleness/mean": 0.5, "idle_ratio/trainer": trainer_idle,
+                           **{f"staleness/{k}": v for k, v in (ages or {}).items()},
                            "time/forward_backward_seconds": 10.0,
                            **({"train/value_loss": 1.0 / step, "train/explained_variance": 1 - 1.0 / step}
                               if critic else {}),
@@ -192,3 +195,45 @@ def test_discarded_tokens_cell_for_runs_before_and_after_the_counter():
     # a run logged before the buffer counted discarded tokens (2026-11-29) has only the appended ones
     assert _discarded_cell({"appended_tokens": 67111.0, "restart_discarded_tokens": None}) == "67,111 / —"
     assert _discarded_cell({"appended_tokens": 200.0, "restart_discarded_tokens": 0.0}) == "200 / 0 (0.0%)"
+
+
+def test_token_ages_and_the_pace_note(tmp_path):
+    """A trainer-bound run (idle 0.08) whose bound 4 let its tokens age past 1 gets the note; a run whose
+    trainer waited, whose bound is 1, whose tokens stayed fresh, or that logged no histogram does not."""
+    from asyncrl.metrics.report import pace_note, token_ages
+
+    aged = {"tokens_0": 10.0, "tokens_1": 30.0, "tokens_4": 50.0, "tokens_8plus": 10.0}
+    run_dir = make_run(tmp_path / "eta4", staleness=4, trainer_idle=0.08, ages=aged)
+    # step 40 replayed after a trainer restart: logged again, counted once
+    replay = MetricsLogger(run_dir, role="trainer")
+    replay.log(40, {"staleness/tokens_4": 50.0, "staleness/tokens_0": 50.0}, wall_seconds=1300.0)
+    replay.close()
+    run = load_run(run_dir)
+    ages = token_ages(run.records)
+    assert ages == {0: 39 * 10 + 50, 1: 39 * 30.0, 4: 40 * 50.0, 8: 39 * 10.0}
+    s = summarize(run)
+    total = sum(ages.values())
+    assert s["token_age_mean"] == pytest.approx((39 * 30 + 4 * 40 * 50 + 8 * 39 * 10) / total)
+    assert s["token_age_at_bound_share"] == pytest.approx((40 * 50 + 39 * 10) / total)
+    note = pace_note(s)
+    assert note is not None and "waited for a batch 8%" in note and "bound of 4" in note
+    assert f"{s['token_age_mean']:.2f} policy versions old" in note and "section P" in note
+    assert main([str(run_dir)]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert f"| trained tokens' age, mean (share at the bound) | {s['token_age_mean']:.2f} (" in md
+    assert "Pace: the trainer waited for a batch 8%" in md
+
+    waited = summarize(load_run(make_run(tmp_path / "fed", staleness=4, trainer_idle=0.3, ages=aged)))
+    assert waited["token_age_mean"] == pytest.approx(3.1) and pace_note(waited) is None
+    bound1 = summarize(load_run(make_run(tmp_path / "eta1", staleness=1, trainer_idle=0.05, ages={"tokens_1": 5.0})))
+    assert bound1["token_age_at_bound_share"] == 1.0 and pace_note(bound1) is None
+    fresh = summarize(load_run(make_run(tmp_path / "fresh", staleness=4, trainer_idle=0.05,
+                                        ages={"tokens_0": 5.0, "tokens_2": 5.0})))
+    assert fresh["token_age_mean"] == pytest.approx(1.0) and pace_note(fresh) is None
+    none = summarize(load_run(make_run(tmp_path / "old", staleness=4, trainer_idle=0.05)))
+    assert none["token_age_mean"] is None and none["token_age_at_bound_share"] is None and pace_note(none) is None
+    assert main([str(tmp_path / "old")]) == 0
+    assert "| trained tokens' age, mean (share at the bound) | — |" in (tmp_path / "old" / "report.md").read_text()
+    # compared runs: the note names its run
+    assert main([str(run_dir), "--compare", str(tmp_path / "fed"), "--out", str(tmp_path / "cmp")]) == 0
+    assert "eta4: Pace: the trainer waited" in (tmp_path / "cmp" / "report-compare.md").read_text()

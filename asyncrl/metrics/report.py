@@ -12,8 +12,9 @@ Reads the run's ``metrics-*.jsonl`` (every role, see :mod:`asyncrl.metrics.track
   with a critic, the value loss and the critic's explained variance, and for agent episodes
   (docs/agents.md) the turns and tool calls per episode (train and held-out);
 * ``report.md`` — steps, wall time, final and best held-out accuracy, tokens/s, max staleness,
-  partial ratio, idle ratios, CPU shares, the critic's value loss (first and last step) and
-  explained variance, drops and restarts.
+  the trained tokens' mean age, partial ratio, idle ratios, CPU shares, the critic's value loss
+  (first and last step) and explained variance, drops and restarts; and, when a trainer-bound
+  run's staleness bound above 1 aged its samples, a note that says so (:func:`pace_note`).
 
 With ``--compare RUN_B`` both runs are overlaid (the sync-vs-async comparison of
 ``docs/results.md``) and the summary adds the wall time each run needs to reach the best
@@ -37,8 +38,8 @@ from typing import Any
 
 from asyncrl.metrics.tracking import TrackingError, read_metrics
 
-__all__ = ["Run", "Panel", "PANELS", "load_run", "series", "summarize", "time_to_reach", "panels_with_data", "plot_runs",
-           "write_markdown", "main"]
+__all__ = ["Run", "Panel", "PANELS", "TRAINER_BOUND_IDLE", "load_run", "series", "summarize", "time_to_reach",
+           "token_ages", "pace_note", "panels_with_data", "plot_runs", "write_markdown", "main"]
 
 
 @dataclass
@@ -133,6 +134,60 @@ def _cpu_keys(records: list[dict[str, Any]]) -> list[str]:
     return sorted({k for r in records for k in r if k.startswith("cpu_share/")})
 
 
+def token_ages(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Response tokens trained per age over the run: ``{age in policy versions: tokens}``.
+
+    Sums the trainer's per-step histograms ``staleness/tokens_<k>`` (``trainer/batch.py``; the
+    ``8plus`` bin counts as 8). A step logged twice (replayed after a trainer restart from a
+    checkpoint) counts once, with its last record. Empty when the run logged no histogram.
+    """
+    per_step: dict[int, dict[int, float]] = {}
+    for r in records:
+        hist = {(8 if k.endswith("8plus") else int(k.rsplit("_", 1)[1])): float(v)
+                for k, v in r.items() if k.startswith("staleness/tokens_")}
+        if hist:
+            per_step[int(r.get("step", 0))] = hist
+    ages: dict[int, float] = {}
+    for hist in per_step.values():
+        for age, n in hist.items():
+            ages[age] = ages.get(age, 0.0) + n
+    return ages
+
+
+#: A trainer that waited for its batch less than this share of its wall time set the run's pace
+#: (see :func:`pace_note`).
+TRAINER_BOUND_IDLE = 0.15
+
+
+def pace_note(s: dict[str, Any]) -> str | None:
+    """A sentence for ``report.md`` when a staleness bound above 1 aged the samples of a trainer-bound run.
+
+    The condition: the trainer's mean idle ratio (its ``wait_batch`` share) is below
+    :data:`TRAINER_BOUND_IDLE`, the bound ``buffer.max_staleness`` is ≥ 2, and the trained tokens'
+    mean age is above 1 version, which a bound of 1 would not allow. When the trainer hardly
+    waits, it sets the pace; a larger bound cannot give it more batches, only older ones (AReaL's
+    admission, eq. 3, caps the rollout's lead at η + 1 batches). docs/results.md section P saw the
+    older samples go with less learning per step over three runs of the long-tail task: a pointer,
+    not a rule, and the note says so.
+
+    Args:
+        s: a :func:`summarize` result.
+
+    Returns:
+        The sentence, or None when the condition does not hold or a metric is missing.
+    """
+    bound, idle, age = s.get("max_staleness_bound"), s["idle_ratios"].get("trainer"), s.get("token_age_mean")
+    if bound is None or idle is None or age is None or bound < 2 or idle >= TRAINER_BOUND_IDLE or age <= 1.0:
+        return None
+    at_bound = s.get("token_age_at_bound_share")
+    share = f", {at_bound:.0%} of them at the bound" if at_bound is not None else ""
+    return (f"Pace: the trainer waited for a batch {idle:.0%} of its time, so it set this run's pace. "
+            f"A staleness bound of {bound} cannot give such a trainer more batches, only older ones: "
+            f"its trained tokens were {age:.2f} policy versions old on the mean{share}, where a bound of 1 "
+            f"keeps them at 1 or less (`--max_staleness 1`). Over three runs of the long-tail task older "
+            f"samples went with less learning per step (docs/results.md section P): a pointer, not a rule.")
+
+
 #: The trainer's step phases (``time/<phase>_seconds`` in the step records).
 _PHASES = ("wait_batch", "forward_backward", "optim_step", "publish_weights", "checkpoint")
 
@@ -157,6 +212,9 @@ def summarize(run: Run) -> dict[str, Any]:
         return None
 
     final_x = acc_x[-1] if acc else None
+    ages = token_ages(recs)
+    trained = sum(ages.values())
+    bound = (run.config.get("buffer") or {}).get("max_staleness")
     return {
         "name": run.name,
         "steps": steps,
@@ -172,7 +230,10 @@ def summarize(run: Run) -> dict[str, Any]:
         "reward_final": _last(recs, "reward/mean"),
         "tokens_per_second_mean": _mean(tps),
         "staleness_max": max(stale) if stale else None,
-        "max_staleness_bound": (run.config.get("buffer") or {}).get("max_staleness"),
+        "max_staleness_bound": bound,
+        "token_age_mean": sum(a * n for a, n in ages.items()) / trained if trained else None,
+        "token_age_at_bound_share": (sum(n for a, n in ages.items() if a >= bound) / trained
+                                     if trained and bound is not None else None),
         "partial_ratio_mean": _mean(partial),
         "idle_ratios": {k.split("/", 1)[1]: _mean(series(recs, k)[1]) for k in _idle_keys(recs)},
         "cpu_shares": {k.split("/", 1)[1]: _mean(series(recs, k)[1]) for k in _cpu_keys(recs)},
@@ -245,6 +306,9 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
             ", ".join(f"{k} {_fmt(v, '.1f')}" for k, v in s["phase_seconds"].items()) or "—" for s in sums]),
         ("rollout tokens/s (mean)", [_fmt(s["tokens_per_second_mean"], ".1f") for s in sums]),
         ("max staleness seen / bound", [f"{_fmt(s['staleness_max'])} / {_fmt(s['max_staleness_bound'])}" for s in sums]),
+        ("trained tokens' age, mean (share at the bound)", [
+            _fmt(s["token_age_mean"], ".2f") + (f" ({s['token_age_at_bound_share']:.0%})"
+                                                 if s["token_age_at_bound_share"] is not None else "") for s in sums]),
         ("partial ratio (mean)", [_fmt(s["partial_ratio_mean"], ".2f") for s in sums]),
         ("idle ratio (mean) by role", [
             ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in s["idle_ratios"].items()) or "—" for s in sums]),
@@ -265,6 +329,8 @@ def write_markdown(runs: list[Run], path: Path, png_name: str = "report.png") ->
     lines = [f"# asyncrl run report: {' vs '.join(s['name'] for s in sums)}", "", f"![curves]({png_name})", "",
              header, "|---|" + "---|" * len(sums)]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    notes = [(s["name"], pace_note(s)) for s in sums]
+    lines += [f"\n{name}: {note}" if len(sums) > 1 else f"\n{note}" for name, note in notes if note]
     if len(runs) == 2 and sums[1]["accuracy_best"] is not None:
         target = sums[1]["accuracy_best"]
         ta, tb = time_to_reach(runs[0], target), time_to_reach(runs[1], target)
